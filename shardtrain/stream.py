@@ -115,6 +115,8 @@ class ChunkBatches:
     first_step: int
     batches: list[tuple[np.ndarray, np.ndarray, list[str], list[str], np.ndarray]]
     errors: list[dict]
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per stage on this chunk, summed over threads: read, parse, decode, batch."""
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -188,61 +190,74 @@ class ChunkReader:
             have = storage.size(url, so)
             return storage.read_range(url, start, min(end, have), so, **kw) if have > start else b""
 
-    def _decode(self, buf: bytes, base: int, row: int) -> tuple[str, str, np.ndarray | None, str | None]:
-        """(key, text, int16 mono wave or None, error reason or None) of one row out of a run's bytes."""
-        idx = self.idx
-        a0 = int(idx.audio_offset[row]) - base
-        key = f"row{row}"
-        if a0 < 512 or a0 + int(idx.audio_size[row]) > len(buf) or int(idx.json_offset[row]) - base + int(
-                idx.json_size[row]) > len(buf):
-            return key, "", None, "truncated_shard: sample bytes past the end of the shard"
-        name = bytes(buf[a0 - 512:a0 - 412]).split(b"\0", 1)[0].decode("utf-8", "replace")
-        key = name.rsplit(".", 1)[0]
-        if not name or "." not in name:
-            return key, "", None, f"index_mismatch: no tar member header at byte {a0 + base - 512}"
-        j0 = int(idx.json_offset[row]) - base
-        try:
-            meta = json.loads(bytes(buf[j0:j0 + int(idx.json_size[row])]))
-            text = str(meta.get("text", ""))
-        except ValueError as e:
-            return key, "", None, f"bad_json: {e}"
-        try:
-            wave, _ = sf.read(io.BytesIO(buf[a0:a0 + int(idx.audio_size[row])]), dtype="int16", always_2d=True)
-        except Exception as e:  # noqa: BLE001 - libsndfile raises several types for corrupt audio
-            return key, text, None, f"decode_error: {type(e).__name__}: {e}"
-        if wave.shape[0] == 0:
-            return key, text, None, "decode_error: no samples"
-        if wave.shape[1] > 1:
-            wave = wave.mean(axis=1).astype(np.int16)
-        else:
-            wave = wave[:, 0]
-        return key, text, wave, None
+    def _decode(self, buf: memoryview, base: int, row: int) -> tuple[str, str, np.ndarray | None, str | None, float, float]:
+        """(key, text, int16 mono wave or None, error or None, parse s, decode s) of one row of a run's bytes.
 
-    def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int) -> ChunkBatches:
-        """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded)."""
+        The key comes from the ustar header just before the audio data, which also checks that the index
+        offsets match the shard (a stale or foreign index would otherwise feed wrong audio silently).
+        """
+        t0 = time.perf_counter()
+        idx = self.idx
+        a0, a_len = int(idx.audio_offset[row]) - base, int(idx.audio_size[row])
+        j0, j_len = int(idx.json_offset[row]) - base, int(idx.json_size[row])
+        key, text = f"row{row}", ""
+        if a0 < 512 or a0 + a_len > len(buf) or j0 + j_len > len(buf):
+            return key, text, None, "truncated_shard: sample bytes past the end of the shard", 0.0, 0.0
+        name = bytes(buf[a0 - 512:a0 - 412]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        if "." not in name:
+            return key, text, None, f"index_mismatch: no tar member header at byte {a0 + base - 512}", 0.0, 0.0
+        key = name.rsplit(".", 1)[0]
+        try:
+            text = str(json.loads(bytes(buf[j0:j0 + j_len])).get("text", ""))
+        except (ValueError, AttributeError) as e:
+            return key, text, None, f"bad_json: {e}", 0.0, 0.0
+        t1 = time.perf_counter()
+        try:
+            wave, _ = sf.read(io.BytesIO(buf[a0:a0 + a_len]), dtype="int16", always_2d=True)
+        except Exception as e:  # noqa: BLE001 - libsndfile raises several types for corrupt audio
+            return key, text, None, f"decode_error: {type(e).__name__}: {e}", t1 - t0, 0.0
+        wave = wave[:, 0] if wave.shape[1] == 1 else wave.mean(axis=1).astype(np.int16)
+        t2 = time.perf_counter()
+        if len(wave) == 0:
+            return key, text, None, "decode_error: no samples", t1 - t0, t2 - t1
+        return key, text, wave, None, t1 - t0, t2 - t1
+
+    def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, as_float: bool) -> ChunkBatches:
+        """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
+
+        `as_float` pads straight into float32 (in-process loading: the main thread then only wraps the array);
+        worker processes keep int16, half the bytes through the DataLoader pipe, converted by the main process.
+        """
         idx, errors = self.idx, []
+        timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
         wanted = chunk.batches[skip_batches:]
-        rows = np.sort(np.concatenate(wanted)) if wanted and sum(map(len, wanted)) else np.zeros(0, np.int64)
-        decoded: dict[int, tuple[str, str, np.ndarray | None, str | None]] = {}
+        rows = np.sort(np.concatenate(wanted)) if sum(map(len, wanted)) else np.zeros(0, np.int64)
+        decoded: dict[int, tuple] = {}
         futures: list[tuple[int, Future]] = []
         for shard, start, end in _byte_runs(idx, rows):
             run_rows = rows[(idx.shard[rows] == shard) & (idx.offset[rows] >= start) & (idx.offset[rows] < end)]
+            t0 = time.perf_counter()
             try:
                 buf = memoryview(self._read(shard, start, end))
             except OSError as e:
                 if self.cfg.strict:
                     raise StreamError(f"shard {self.ds.shards[shard].name}: {e}") from e
                 for r in run_rows:
-                    decoded[int(r)] = (f"row{int(r)}", "", None, f"shard_read_failed: {e}")
+                    decoded[int(r)] = (f"row{int(r)}", "", None, f"shard_read_failed: {e}", 0.0, 0.0)
                 continue
+            finally:
+                timings["read"] += time.perf_counter() - t0
             futures.extend((int(r), self.decode_pool.submit(self._decode, buf, start, int(r))) for r in run_rows)
         for r, fut in futures:
             decoded[r] = fut.result()
+        t0 = time.perf_counter()
         out = []
         for batch_rows in wanted:
             waves, keys, texts, durs = [], [], [], []
             for r in batch_rows:
-                key, text, wave, err = decoded[int(r)]
+                key, text, wave, err, t_parse, t_decode = decoded[int(r)]
+                timings["parse"] += t_parse
+                timings["decode"] += t_decode
                 if err is not None:
                     shard_name = self.ds.shards[int(idx.shard[r])].name
                     if self.cfg.strict:
@@ -254,11 +269,16 @@ class ChunkReader:
                 texts.append(text)
                 durs.append(float(idx.duration_s[r]))
             lengths = np.array([len(w) for w in waves], dtype=np.int64)
-            padded = np.zeros((len(waves), int(lengths.max()) if len(waves) else 0), dtype=np.int16)
+            padded = np.zeros((len(waves), int(lengths.max()) if len(waves) else 0),
+                              dtype=np.float32 if as_float else np.int16)
             for i, w in enumerate(waves):
-                padded[i, :len(w)] = w
+                if as_float:
+                    np.multiply(w, np.float32(1.0 / 32768.0), out=padded[i, :len(w)], dtype=np.float32)
+                else:
+                    padded[i, :len(w)] = w
             out.append((padded, lengths, keys, texts, np.array(durs, dtype=np.float64)))
-        return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors)
+        timings["batch"] += time.perf_counter() - t0
+        return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -315,7 +335,7 @@ class ChunkStream(torch.utils.data.IterableDataset):
         mine = (item for j, item in enumerate(sched) if j % nw == wid)
         try:
             for epoch, first, chunk, skip in mine:
-                pending.append(reader.io_pool.submit(reader.load, chunk, epoch, first, skip))
+                pending.append(reader.io_pool.submit(reader.load, chunk, epoch, first, skip, info is None))
                 if len(pending) >= self.cfg.prefetch_chunks:
                     yield pending.pop(0).result()
             while pending:
@@ -352,6 +372,8 @@ class Loader:
         self.fingerprint = self.idx.fingerprint()
         self.counters = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0,
                          "dropped_for_equal_steps": 0}
+        self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
+        """Seconds per stage, summed over threads and workers (not part of the state: not reproducible)."""
         self.skipped_keys: list[dict] = []
         self.cursor = _Cursor(0, 0)
         if state is not None:
@@ -421,15 +443,21 @@ class Loader:
         pin = torch.cuda.is_available()
         for item in self.dataloader():
             self._note_epoch(item.epoch)
+            for k, v in item.timings.items():
+                self.stage_s[k] += v
             for e in item.errors:
                 self.counters["skipped"] += 1
                 if len(self.skipped_keys) < self.cfg.max_error_keys:
                     self.skipped_keys.append(e)
                 log.warning("skipped %s in %s: %s", e["key"], e["shard"], e["reason"])
-            for i, (i16, lengths, keys, texts, durs) in enumerate(item.batches):
-                waves = torch.from_numpy(i16).to(torch.float32).mul_(1.0 / 32768.0)
+            for i, (pcm, lengths, keys, texts, durs) in enumerate(item.batches):
+                t0 = time.perf_counter()
+                if pcm.dtype != np.float32:  # int16 from a worker process (numpy: ~10x faster than torch here)
+                    pcm = np.multiply(pcm, np.float32(1.0 / 32768.0), dtype=np.float32)
+                waves = torch.from_numpy(pcm)
                 if pin:
                     waves = waves.pin_memory()
+                self.stage_s["collate"] += time.perf_counter() - t0
                 step = item.first_step + i
                 batch = Batch(waves=waves, lengths=torch.from_numpy(lengths), keys=keys, texts=texts,
                               durations_s=torch.from_numpy(durs), sample_rate_hz=self.sample_rate_hz,

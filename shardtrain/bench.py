@@ -1,0 +1,140 @@
+"""Loader benchmark: the real loader, timed per stage, in audio seconds per second.
+
+    build_loader(...) -> (Batch, state) -> [H2D copy] -> [device augmentation] -> simulated step (sleep step_ms)
+
+Reports throughput (audio-s/s, samples/s), padding efficiency (real samples / padded samples), time to first
+batch, peak RSS of the whole process tree (workers included), skipped samples, the share of step time spent
+waiting for data when a step time is simulated, and per-stage seconds (read, parse, decode, batch, collate,
+h2d, augment) with each stage's own rate (audio seconds / stage seconds, summed over threads: what one core
+would do if that stage ran alone).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import psutil
+import torch
+
+from shardtrain.stream import StreamConfig, build_loader
+from shardtrain.world import World
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    epochs: int | None = 1
+    """Epochs to run (None: until max_batches)."""
+    max_batches: int | None = None
+    """Stop after this many batches."""
+    step_ms: float = 0.0
+    """Simulated trainer compute per batch; > 0 reports data_wait_pct."""
+    device: str = "cpu"
+    """Copy batches to this device ("cuda" measures host-to-device)."""
+    augment: bool = False
+    """Run the device augmentation + log-mel chain on each batch (stage "augment")."""
+
+    def __post_init__(self) -> None:
+        if self.epochs is None and self.max_batches is None:
+            raise ValueError("bench: set --epochs or --max-batches")
+
+
+class RssSampler:
+    """Peak resident memory of this process and its children, sampled every `interval_s` in a thread."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s, self.peak_bytes = interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        me = psutil.Process(os.getpid())
+        total = me.memory_info().rss
+        for child in me.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self._sample())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak_bytes = self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, bench: BenchConfig,
+                 storage_options: dict | None = None) -> dict:
+    """Run the loader and return one flat dict of figures (JSON-able)."""
+    stream = replace(stream, epochs=bench.epochs)
+    aug = None
+    stages = {"h2d": 0.0, "augment": 0.0}
+    samples = batches = 0
+    audio_s = real = padded = wait_s = 0.0
+    first_batch_s = None
+    gen = torch.Generator(device=bench.device).manual_seed(seed)
+    with RssSampler() as rss:
+        t_start = time.perf_counter()
+        loader = build_loader(url, world=world, seed=seed, cfg=stream, storage_options=storage_options)
+        if bench.augment:  # built once the dataset's sample rate is known
+            from shardtrain.augment import AugmentConfig, DeviceAugment, FeatureConfig
+
+            aug = DeviceAugment(AugmentConfig(), FeatureConfig(), loader.sample_rate_hz).to(bench.device)
+        it = iter(loader)
+        while bench.max_batches is None or batches < bench.max_batches:
+            t0 = time.perf_counter()
+            try:
+                batch, _state = next(it)
+            except StopIteration:
+                break
+            t1 = time.perf_counter()
+            wait_s += t1 - t0
+            if first_batch_s is None:
+                first_batch_s = t1 - t_start
+            waves, lengths = batch.waves, batch.lengths
+            if bench.device != "cpu":
+                waves = waves.to(bench.device, non_blocking=True)
+                lengths = lengths.to(bench.device, non_blocking=True)
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            stages["h2d"] += t2 - t1
+            if aug is not None and len(batch):
+                aug(waves, lengths, gen, train=True)
+                if bench.device != "cpu":
+                    torch.cuda.synchronize()
+            stages["augment"] += time.perf_counter() - t2
+            if bench.step_ms > 0:
+                time.sleep(bench.step_ms / 1000.0)
+            batches += 1
+            samples += len(batch)
+            audio_s += float(batch.durations_s.sum())
+            real += float(batch.lengths.sum())
+            padded += float(batch.waves.numel())
+        wall = time.perf_counter() - t_start
+        stats = loader.stats()
+        stage_s = {**loader.stage_s, **stages}
+    out = {
+        "samples": samples, "audio_seconds": round(audio_s, 3), "wall_seconds": round(wall, 3),
+        "samples_per_s": round(samples / wall, 2), "audio_s_per_s": round(audio_s / wall, 1),
+        "padding_efficiency": round(real / padded, 4) if padded else None, "batches": batches,
+        "first_batch_s": round(first_batch_s or 0.0, 3), "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
+        "skipped": stats["skipped"], "too_long": stats["too_long"],
+        "data_wait_pct": round(100.0 * wait_s / wall, 2) if bench.step_ms > 0 else None,
+        "workers": stream.num_workers, "decode_threads": stream.decode_threads,
+        "world_size": world.world_size, "rank": world.rank,
+        "max_batch_seconds": stream.bucket.max_batch_seconds,
+    }
+    for k, v in stage_s.items():
+        out[f"stage_{k}_s"] = round(v, 3)
+        out[f"stage_{k}_audio_s_per_s"] = round(audio_s / v, 1) if v > 0 else None
+    return out

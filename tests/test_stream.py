@@ -1,0 +1,208 @@
+"""Loader invariants (design.md 1-8) on a real packed dataset: real FLAC encoded by the packer, decoded here."""
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import psutil
+import pytest
+
+from shardtrain.index import open_dataset
+from shardtrain.pack import PackConfig, pack
+from shardtrain.plan import BucketConfig
+from shardtrain.stream import StreamConfig, StreamError, build_loader
+from shardtrain.testing import make_corpus
+from shardtrain.world import World
+
+DURS = [0.3 + 0.17 * ((i * 7) % 23) for i in range(90)]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    corpus = make_corpus(root / "corpus", DURS, seed=1)
+    out = root / "ds"
+    pack(PackConfig(input=str(corpus), output=str(out), max_samples_per_shard=8, workers=1, progress=False))
+    return str(out)
+
+
+def cfg(**kw) -> StreamConfig:
+    bucket = kw.pop("bucket", BucketConfig(max_batch_seconds=8.0, chunk_mb=0.05, num_buckets=4))
+    return StreamConfig(bucket=bucket, epochs=kw.pop("epochs", 1), **kw)
+
+
+def run(url, world=World(), seed=0, state=None, n=None, **kw):
+    """[(keys, waves sha1, lengths)] per batch, and the states after each batch."""
+    loader = build_loader(url, world=world, seed=seed, cfg=cfg(**kw), state=state)
+    out, states = [], []
+    for batch, st in loader:
+        digest = hashlib.sha1(batch.waves.numpy().tobytes()).hexdigest()
+        out.append((tuple(batch.keys), digest, tuple(batch.lengths.tolist()), tuple(batch.texts)))
+        states.append(st)
+        if n is not None and len(out) == n:
+            break
+    return out, states, loader
+
+
+def all_keys(url):
+    return open_dataset(url).read_index(columns=["key"]).column("key").to_pylist()
+
+
+def test_one_epoch_exactly_once_budget_and_padding(dataset):
+    batches, _, loader = run(dataset)
+    keys = [k for b in batches for k in b[0]]
+    assert sorted(keys) == sorted(all_keys(dataset))
+    durs = dict(zip(all_keys(dataset), open_dataset(dataset).read_index(columns=["duration_s"]).column(0).to_pylist()))
+    for b in batches:
+        assert sum(durs[k] for k in b[0]) <= 8.0 + 1e-9
+    assert loader.stats()["skipped"] == 0
+    assert loader.stats()["samples"] == len(DURS)
+    # texts come from the shard's json members and match the index
+    idx = open_dataset(dataset).read_index(columns=["key", "text"]).to_pylist()
+    text_of = {r["key"]: r["text"] for r in idx}
+    assert all(t == text_of[k] for b in batches for k, t in zip(b[0], b[3]))
+
+
+def test_waves_match_source_audio(dataset, tmp_path):
+    import soundfile as sf
+    batch, _ = next(iter(build_loader(dataset, world=World(), seed=0, cfg=cfg())))
+    src = open_dataset(dataset).read_index(columns=["key", "source"]).to_pylist()
+    path_of = {r["key"]: r["source"] for r in src}
+    for i, key in enumerate(batch.keys):
+        ref, _ = sf.read(path_of[key], dtype="int16")
+        got = (batch.waves[i, : batch.lengths[i]].numpy() * 32768).round().astype(np.int16)
+        assert np.array_equal(got, ref)
+        assert float(batch.waves[i, batch.lengths[i]:].abs().sum()) == 0.0  # zero padding
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_deterministic_across_runs_and_workers(dataset, workers):
+    ref, _, _ = run(dataset, seed=3, epochs=2)
+    got, _, _ = run(dataset, seed=3, epochs=2, num_workers=workers, decode_threads=1)
+    assert got == ref
+    other, _, _ = run(dataset, seed=4, epochs=2)
+    assert [b[0] for b in other] != [b[0] for b in ref]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_disjoint_complete_equal_steps(dataset, world_size):
+    per_rank = [run(dataset, world=World(rank=r, world_size=world_size))[0] for r in range(world_size)]
+    assert len({len(b) for b in per_rank}) == 1, "ranks yield different numbers of batches"
+    keys = [k for batches in per_rank for b in batches for k in b[0]]
+    assert len(keys) == len(set(keys)) and sorted(keys) == sorted(all_keys(dataset))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_is_bit_exact(dataset, workers):
+    full, states, _ = run(dataset, seed=1, epochs=2, num_workers=workers, decode_threads=1)
+    for k in (1, len(full) // 2 - 1, len(full) // 2):  # start, middle of epoch 0, epoch boundary region
+        state = json.loads(json.dumps(states[k - 1]))  # a checkpoint round trip
+        rest, _, _ = run(dataset, seed=1, epochs=2, num_workers=workers, decode_threads=1, state=state)
+        assert rest == full[k:], f"resume after batch {k} differs"
+
+
+def test_resume_refuses_foreign_state(dataset):
+    _, states, _ = run(dataset, n=2)
+    bad = dict(states[-1], dataset="0" * 16)
+    with pytest.raises(StreamError, match="different dataset"):
+        build_loader(dataset, world=World(), seed=0, cfg=cfg(), state=bad)
+    with pytest.raises(StreamError, match="stream.bucket"):
+        build_loader(dataset, world=World(), seed=0, state=states[-1],
+                     cfg=cfg(bucket=BucketConfig(max_batch_seconds=9.0, chunk_mb=0.05, num_buckets=4)))
+    with pytest.raises(StreamError, match="seed"):
+        build_loader(dataset, world=World(), seed=1, cfg=cfg(), state=states[-1])
+
+
+def test_elastic_resume_restripes_rest_of_epoch(dataset):
+    two = [run(dataset, world=World(rank=r, world_size=2), n=3) for r in range(2)]
+    done = [k for batches, _, _ in two for b in batches for k in b[0]]
+    state = two[0][1][-1]
+    rest = [run(dataset, world=World(rank=r, world_size=3), state=state)[0] for r in range(3)]
+    assert len({len(b) for b in rest}) == 1
+    later = [k for batches in rest for b in batches for k in b[0]]
+    assert len(done) + len(later) == len(set(done + later)) == len(DURS)
+
+
+def _corrupt_member(dataset, tmp_path, *, truncate=False):
+    out = tmp_path / "ds"
+    shutil.copytree(dataset, out)
+    idx = open_dataset(str(out)).read_index().to_pylist()
+    if truncate:
+        last = max(r["shard"] for r in idx)
+        name = f"shard-{last:06d}.tar"
+        victims = [r for r in idx if r["shard"] == last]
+        cut = victims[len(victims) // 2]["offset"] + 700
+        with open(out / name, "r+b") as f:
+            f.truncate(cut)
+        lost = {r["key"] for r in victims if r["offset"] + r["size"] > cut}
+        return str(out), lost
+    row = idx[len(idx) // 2]
+    with open(out / f"shard-{row['shard']:06d}.tar", "r+b") as f:
+        f.seek(row["audio_offset"] + 100)  # past the FLAC header: garble frames
+        f.write(os.urandom(min(4000, row["audio_size"] - 120)))
+        f.seek(row["audio_offset"])
+        f.write(b"XXXX")  # and the magic, so libsndfile refuses it outright
+    return str(out), {row["key"]}
+
+
+def test_corrupt_flac_member_skipped_and_recorded(dataset, tmp_path):
+    url, bad = _corrupt_member(dataset, tmp_path)
+    batches, _, loader = run(url)
+    keys = {k for b in batches for k in b[0]}
+    assert keys == set(all_keys(url)) - bad
+    stats = loader.stats()
+    assert stats["skipped"] == 1 and stats["skipped_keys"][0]["key"] in bad
+    assert stats["skipped_keys"][0]["reason"].startswith("decode_error")
+    with pytest.raises(StreamError, match=next(iter(bad))):
+        run(url, strict=True)
+
+
+def test_truncated_shard_skipped_and_recorded(dataset, tmp_path):
+    url, lost = _corrupt_member(dataset, tmp_path, truncate=True)
+    assert lost
+    batches, _, loader = run(url)
+    keys = {k for b in batches for k in b[0]}
+    assert keys == set(all_keys(url)) - lost
+    reasons = {e["reason"].split(":")[0] for e in loader.stats()["skipped_keys"]}
+    assert loader.stats()["skipped"] == len(lost) and reasons <= {"truncated_shard", "decode_error"}
+    with pytest.raises(StreamError):
+        run(url, strict=True)
+
+
+def test_missing_shard_recorded_and_steps_kept(dataset, tmp_path):
+    out = tmp_path / "ds"
+    shutil.copytree(dataset, out)
+    os.remove(out / "shard-000002.tar")
+    ref, _, _ = run(dataset)
+    got, _, loader = run(str(out), retries=1, retry_backoff_s=0.01)
+    assert len(got) == len(ref), "a failed shard must not change the step count"
+    idx = open_dataset(str(out)).read_index(columns=["key", "shard"]).to_pylist()
+    gone = {r["key"] for r in idx if r["shard"] == 2}
+    assert {k for b in got for k in b[0]} == set(all_keys(dataset)) - gone
+    assert loader.stats()["skipped"] == len(gone)
+    assert all(e["reason"].startswith("shard_read_failed") for e in loader.stats()["skipped_keys"])
+
+
+def test_memory_bounded_over_epochs(dataset):
+    loader = build_loader(dataset, world=World(), seed=0, cfg=cfg(epochs=12))
+    proc = psutil.Process()
+    rss, steps = [], loader.steps_per_epoch()
+    for i, (batch, state) in enumerate(loader):
+        if (i + 1) % steps == 0:
+            rss.append(proc.memory_info().rss)
+    assert len(rss) >= 11
+    growth_mb = (rss[-1] - rss[1]) / 2**20
+    assert growth_mb < 40, f"RSS grew {growth_mb:.1f} MB over 10 epochs"
+
+
+def test_shard_content_is_data_not_code(tmp_path):
+    """Transcripts that look like code come back verbatim and are never evaluated (invariant 8)."""
+    canary = tmp_path / "canary"
+    canary.write_text("alive")
+    evil = f"__import__('os').remove({str(canary)!r})"
+    corpus = make_corpus(tmp_path / "c", [0.5, 0.6, 0.7], text_fn=lambda i: evil)
+    pack(PackConfig(input=str(corpus), output=str(tmp_path / "ds"), workers=1, progress=False))
+    batches, _, _ = run(str(tmp_path / "ds"))
+    assert [t for b in batches for t in b[3]] == [evil] * 3
+    assert canary.exists()
