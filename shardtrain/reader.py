@@ -1,0 +1,212 @@
+"""Reading and decoding one planned chunk: ranged reads by index offsets, no tar parsing, decode in threads.
+
+    Chunk(rows) -> byte runs (shard, start, end), neighbours within 1 MB merged -> storage.read_range
+      (retry + resume at the byte reached; optional whole-shard LRU cache for remote datasets)
+      -> per row: ustar header name check, json text, soundfile decode to int16 mono (thread pool)
+      -> ChunkBatches: per batch padded PCM [B, T] (float32 in-process, int16 from worker processes)
+
+Errors never stop the stream unless `strict`: a sample that fails is recorded with its key and reason
+(decode_error, truncated_shard, index_mismatch, bad_json, shard_read_failed) and left out of its batch.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import soundfile as sf
+
+from shardtrain import storage
+from shardtrain.index import Dataset
+from shardtrain.plan import Chunk, PlanIndex
+
+if TYPE_CHECKING:
+    from shardtrain.stream import StreamConfig
+
+RUN_GAP_BYTES = 1 << 20
+"""Rows closer than this in one shard are read as one range (reading through the gap beats another request)."""
+
+
+class StreamError(RuntimeError):
+    """Raised in strict mode on the first bad sample or shard, and on invalid resume state."""
+
+
+@dataclass(slots=True)
+class ChunkBatches:
+    """What a worker hands over for one chunk: compact int16 batches plus the chunk's errors."""
+
+    epoch: int
+    first_step: int
+    batches: list[tuple[np.ndarray, np.ndarray, list[str], list[str], np.ndarray]]
+    errors: list[dict]
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per stage on this chunk, summed over threads: read, parse, decode, batch."""
+
+
+def _byte_runs(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """(shard, start, end) byte ranges covering `rows` (ascending), merging rows separated by small gaps."""
+    runs: list[list[int]] = []
+    for r in rows:
+        s, a, b = int(idx.shard[r]), int(idx.offset[r]), int(idx.offset[r] + idx.size[r])
+        if runs and runs[-1][0] == s and 0 <= a - runs[-1][2] <= RUN_GAP_BYTES:
+            runs[-1][2] = max(runs[-1][2], b)
+        else:
+            runs.append([s, a, b])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+class ShardCache:
+    """Whole remote shards kept on local disk across epochs; LRU by mtime, evicted past `max_bytes`."""
+
+    def __init__(self, root: str, max_bytes: int):
+        self.root, self.max_bytes = root, max_bytes
+        os.makedirs(root, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def path(self, ds: Dataset, shard: int, read_whole) -> str:
+        info = ds.shards[shard]
+        local = os.path.join(self.root, f"{info.sha256[:16]}-{info.name}")
+        if os.path.exists(local) and os.path.getsize(local) == info.bytes:
+            os.utime(local)
+            return local
+        data = read_whole()
+        tmp = f"{local}.tmp{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, local)
+        self._evict()
+        return local
+
+    def _evict(self) -> None:
+        with self._lock:
+            files = [os.path.join(self.root, n) for n in os.listdir(self.root) if n.endswith(".tar")]
+            files.sort(key=lambda p: os.path.getmtime(p))
+            total = sum(os.path.getsize(p) for p in files)
+            while total > self.max_bytes and len(files) > 1:
+                victim = files.pop(0)
+                total -= os.path.getsize(victim)
+                os.remove(victim)
+
+
+class ChunkReader:
+    """Reads and decodes chunks; one per process (built lazily inside each DataLoader worker)."""
+
+    def __init__(self, ds: Dataset, idx: PlanIndex, cfg: StreamConfig):
+        self.ds, self.idx, self.cfg = ds, idx, cfg
+        self.decode_pool = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="decode")
+        self.io_pool = ThreadPoolExecutor(cfg.prefetch_chunks, thread_name_prefix="read")
+        self.cache = (ShardCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
+                      if cfg.cache_dir and not storage.is_local(ds.url) else None)
+
+    def _read(self, shard: int, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a shard; short when the shard is truncated. Raises OSError after retries."""
+        url = self.ds.shard_url(shard)
+        so = self.ds.storage_options
+        kw = dict(retries=self.cfg.retries, piece_bytes=int(self.cfg.piece_mb * (1 << 20)),
+                  backoff_s=self.cfg.retry_backoff_s)
+        if self.cache is not None:
+            url = self.cache.path(self.ds, shard, lambda: storage.read_range(url, 0, None, so, **kw))
+            so = None
+        try:
+            return storage.read_range(url, start, end, so, **kw)
+        except EOFError:
+            have = storage.size(url, so)
+            return storage.read_range(url, start, min(end, have), so, **kw) if have > start else b""
+
+    def _decode(self, buf: memoryview, base: int, row: int) -> tuple[str, str, np.ndarray | None, str | None, float, float]:
+        """(key, text, int16 mono wave or None, error or None, parse s, decode s) of one row of a run's bytes.
+
+        The key comes from the ustar header just before the audio data, which also checks that the index
+        offsets match the shard (a stale or foreign index would otherwise feed wrong audio silently).
+        """
+        t0 = time.perf_counter()
+        idx = self.idx
+        a0, a_len = int(idx.audio_offset[row]) - base, int(idx.audio_size[row])
+        j0, j_len = int(idx.json_offset[row]) - base, int(idx.json_size[row])
+        key, text = f"row{row}", ""
+        if a0 < 512 or a0 + a_len > len(buf) or j0 + j_len > len(buf):
+            return key, text, None, "truncated_shard: sample bytes past the end of the shard", 0.0, 0.0
+        name = bytes(buf[a0 - 512:a0 - 412]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        if "." not in name:
+            return key, text, None, f"index_mismatch: no tar member header at byte {a0 + base - 512}", 0.0, 0.0
+        key = name.rsplit(".", 1)[0]
+        try:
+            text = str(json.loads(bytes(buf[j0:j0 + j_len])).get("text", ""))
+        except (ValueError, AttributeError) as e:
+            return key, text, None, f"bad_json: {e}", 0.0, 0.0
+        t1 = time.perf_counter()
+        try:
+            wave, _ = sf.read(io.BytesIO(buf[a0:a0 + a_len]), dtype="int16", always_2d=True)
+        except Exception as e:  # noqa: BLE001 - libsndfile raises several types for corrupt audio
+            return key, text, None, f"decode_error: {type(e).__name__}: {e}", t1 - t0, 0.0
+        wave = wave[:, 0] if wave.shape[1] == 1 else wave.mean(axis=1).astype(np.int16)
+        t2 = time.perf_counter()
+        if len(wave) == 0:
+            return key, text, None, "decode_error: no samples", t1 - t0, t2 - t1
+        return key, text, wave, None, t1 - t0, t2 - t1
+
+    def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, as_float: bool) -> ChunkBatches:
+        """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
+
+        `as_float` pads straight into float32 (in-process loading: the main thread then only wraps the array);
+        worker processes keep int16, half the bytes through the DataLoader pipe, converted by the main process.
+        """
+        idx, errors = self.idx, []
+        timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
+        wanted = chunk.batches[skip_batches:]
+        rows = np.sort(np.concatenate(wanted)) if sum(map(len, wanted)) else np.zeros(0, np.int64)
+        decoded: dict[int, tuple] = {}
+        futures: list[tuple[int, Future]] = []
+        for shard, start, end in _byte_runs(idx, rows):
+            run_rows = rows[(idx.shard[rows] == shard) & (idx.offset[rows] >= start) & (idx.offset[rows] < end)]
+            t0 = time.perf_counter()
+            try:
+                buf = memoryview(self._read(shard, start, end))
+            except OSError as e:
+                if self.cfg.strict:
+                    raise StreamError(f"shard {self.ds.shards[shard].name}: {e}") from e
+                for r in run_rows:
+                    decoded[int(r)] = (f"row{int(r)}", "", None, f"shard_read_failed: {e}", 0.0, 0.0)
+                continue
+            finally:
+                timings["read"] += time.perf_counter() - t0
+            futures.extend((int(r), self.decode_pool.submit(self._decode, buf, start, int(r))) for r in run_rows)
+        for r, fut in futures:
+            decoded[r] = fut.result()
+        t0 = time.perf_counter()
+        out = []
+        for batch_rows in wanted:
+            waves, keys, texts, durs = [], [], [], []
+            for r in batch_rows:
+                key, text, wave, err, t_parse, t_decode = decoded[int(r)]
+                timings["parse"] += t_parse
+                timings["decode"] += t_decode
+                if err is not None:
+                    shard_name = self.ds.shards[int(idx.shard[r])].name
+                    if self.cfg.strict:
+                        raise StreamError(f"{shard_name} key {key}: {err}")
+                    errors.append({"key": key, "shard": shard_name, "reason": err})
+                    continue
+                waves.append(wave)
+                keys.append(key)
+                texts.append(text)
+                durs.append(float(idx.duration_s[r]))
+            lengths = np.array([len(w) for w in waves], dtype=np.int64)
+            padded = np.zeros((len(waves), int(lengths.max()) if len(waves) else 0),
+                              dtype=np.float32 if as_float else np.int16)
+            for i, w in enumerate(waves):
+                if as_float:
+                    np.multiply(w, np.float32(1.0 / 32768.0), out=padded[i, :len(w)], dtype=np.float32)
+                else:
+                    padded[i, :len(w)] = w
+            out.append((padded, lengths, keys, texts, np.array(durs, dtype=np.float64)))
+        timings["batch"] += time.perf_counter() - t0
+        return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
+
+
