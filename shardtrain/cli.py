@@ -39,62 +39,357 @@ def _parse_storage_options(pairs: list[str] | None) -> dict:
 
 # ---- pack (owner: pack) -------------------------------------------------------------------------
 def _add_pack(sub) -> None:
+    import os
+
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
+    p.add_argument("input", metavar="INPUT",
+                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder or Lhotse CutSet "
+                        "(.jsonl/.jsonl.gz); any fsspec URL")
+    p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
+    p.add_argument("--source-format", default="auto",
+                   help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse (default: auto)")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
+                        "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
+    p.add_argument("--codec", default="flac", choices=["flac", "wav", "opus", "mp3"],
+                   help="stored audio codec (default: flac)")
+    p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
+    p.add_argument("--channels", type=int, default=1, help="stored channel count (default: 1)")
+    p.add_argument("--keep-original", action="store_true",
+                   help="store input audio bytes unchanged (no transcoding, whatever codec/rate/channels)")
+    p.add_argument("--target-shard-mb", type=float, default=256.0,
+                   help="target shard size in MiB, estimated from headers (default: 256)")
+    p.add_argument("--max-samples-per-shard", type=int, default=None,
+                   help="also cut a shard after this many samples (default: no limit)")
+    p.add_argument("--min-duration", type=float, default=None, help="reject utterances shorter than this (seconds)")
+    p.add_argument("--max-duration", type=float, default=None, help="reject utterances longer than this (seconds)")
+    p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+                   help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
+    p.add_argument("--strict", action="store_true", help="fail at the first bad item instead of rejecting it")
+    p.add_argument("--overwrite", action="store_true", help="replace a different dataset already at OUTPUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=_cmd_pack)
 
 
 def _cmd_pack(args) -> int:
-    raise SystemExit("pack: not implemented yet")
+    import json
+
+    from shardtrain.pack import PackConfig, PackError, pack
+
+    try:
+        cfg = PackConfig(
+            input=args.input, output=args.output, source_format=args.source_format,
+            storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
+            sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
+            target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
+            min_duration_s=args.min_duration, max_duration_s=args.max_duration, workers=args.workers,
+            strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
+        )
+        r = pack(cfg)
+    except (ValueError, PackError) as e:
+        print(f"pack: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(r.to_dict(), sort_keys=True))
+        return 0
+    rejects = ", ".join(f"{k} {v}" for k, v in r.rejects_by_reason.items()) or "none"
+    state = " (already complete; nothing written)" if r.already_complete else \
+        f" ({r.shards_written} written by this run)" if r.shards_written != r.shards else ""
+    print(f"packed    {r.samples} samples, {r.hours:.3f} h, {r.shards} shards{state}, {r.bytes / 1e6:.1f} MB "
+          f"-> {r.output}")
+    print(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else ""))
+    print(f"speed     {r.wall_s:.1f} s wall (probe {r.probe_s:.1f} s, write {r.write_s:.1f} s): "
+          f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")
+    return 0
 
 
 # ---- inspect (owner: pack) ----------------------------------------------------------------------
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="summarise (and with --verify, check) a packed dataset")
+    p.add_argument("dataset", metavar="DATASET", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
+    p.add_argument("--verify", action="store_true",
+                   help="re-read every shard: sha256, tar structure vs index, decode every audio member; "
+                        "exit code 1 on any problem")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option, repeatable (e.g. endpoint_url=http://127.0.0.1:8333)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar during --verify")
     p.set_defaults(func=_cmd_inspect)
 
 
 def _cmd_inspect(args) -> int:
-    raise SystemExit("inspect: not implemented yet")
+    import json
+
+    from shardtrain.index import DatasetError, open_dataset
+    from shardtrain.inspect import format_inspect, inspect, problems_to_dicts, verify
+
+    try:
+        ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
+    except DatasetError as e:
+        print(f"inspect: error: {e}", file=sys.stderr)
+        return 2
+    summary = inspect(ds)
+    problems = verify(ds, progress=not args.no_progress) if args.verify else None
+    if args.json:
+        if problems is not None:
+            summary["problems"] = problems_to_dicts(problems)
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(format_inspect(summary))
+        if problems is not None:
+            print()
+            print(f"verify    {len(ds.shards)} shards, {summary['totals']['samples']} samples: "
+                  + ("OK" if not problems else f"{len(problems)} problems"))
+            for p in problems:
+                print(f"  {p}")
+    return 1 if problems else 0
 
 
 # ---- synth (owner: testing) ---------------------------------------------------------------------
 def _add_synth(sub) -> None:
     p = sub.add_parser("synth", help="generate a speech corpus (espeak-ng) with transcripts")
+    p.add_argument("out", metavar="OUT", help="output folder (created; existing files are overwritten)")
+    p.add_argument("--n", type=int, default=200, help="number of utterances (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed for speakers, sentences and speeds (default 0)")
+    p.add_argument("--layout", choices=("librispeech", "flat"), default="librispeech",
+                   help="librispeech: OUT/<spk>/<chapter>/<spk>-<chapter>-<utt>.flac + .trans.txt; "
+                        "flat: OUT/<id>.flac + <id>.txt (both write OUT/manifest.tsv)")
+    p.add_argument("--workers", type=int, default=2, help="parallel espeak-ng jobs (default 2)")
+    p.add_argument("--text-source", choices=("auto", "fortunes", "builtin"), default="auto",
+                   help="sentences: fortunes when installed (auto), or built-in templates (same on every machine)")
+    p.add_argument("--tone", action="store_true",
+                   help="speech-like tones instead of espeak-ng speech (no system tools needed; flat layout)")
+    p.add_argument("--fmt", choices=("flac", "wav", "opus", "mp3"), default="flac",
+                   help="audio codec for --tone (speech is always 16 kHz FLAC)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_synth)
 
 
 def _cmd_synth(args) -> int:
-    raise SystemExit("synth: not implemented yet")
+    import csv
+    import time
+    from pathlib import Path
+
+    import numpy as np
+    import soundfile as sf
+
+    from shardtrain.testing import make_corpus, synth_speech_corpus
+
+    if args.n < 1:
+        raise SystemExit("--n must be >= 1")
+    if args.workers < 1:
+        raise SystemExit("--workers must be >= 1")
+    t0 = time.perf_counter()
+    if args.tone:
+        durations_s = np.round(np.random.default_rng(args.seed).uniform(0.5, 12.0, args.n), 2).tolist()
+        root = make_corpus(Path(args.out), durations_s, fmt=args.fmt, seed=args.seed)
+    else:
+        try:
+            root = synth_speech_corpus(Path(args.out), args.n, seed=args.seed, workers=args.workers,
+                                       layout=args.layout, progress=not args.no_progress,
+                                       text_source=args.text_source)
+        except RuntimeError as e:
+            raise SystemExit(f"synth: {e}")
+    elapsed = time.perf_counter() - t0
+    with open(root / "manifest.tsv", encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    seconds = sum(sf.info(str(root / r["path"])).duration for r in rows)
+    speakers = len({r["speaker"] for r in rows})
+    print(f"synth: {len(rows)} files, {seconds / 3600:.3f} h of audio ({seconds:.0f} s), {speakers} speakers, "
+          f"in {elapsed:.1f} s -> {root} (manifest: {root / 'manifest.tsv'})")
+    return 0
 
 
 # ---- bench (owner: stream) ----------------------------------------------------------------------
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="measure loader throughput on a dataset")
+    p = sub.add_parser("bench", help="measure loader throughput on a dataset",
+                       description="Run the shardtrain loader over DATASET and report audio seconds/s, samples/s, "
+                                   "padding efficiency, first-batch latency, peak RSS and per-stage times.")
+    p.add_argument("dataset", metavar="DATASET", help="dataset folder or URL (s3://bucket/prefix)")
+    p.add_argument("--epochs", type=int, default=1, help="epochs to run (default 1; 0 = until --max-batches)")
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0: threads only)")
+    p.add_argument("--decode-threads", type=int, default=2, help="decode threads per process (default 2)")
+    p.add_argument("--max-batch-seconds", type=float, default=300.0, help="audio seconds per batch (default 300)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="utterances per batch cap")
+    p.add_argument("--world-size", type=int, default=1, help="simulated world size (default 1)")
+    p.add_argument("--rank", type=int, default=0, help="simulated rank (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="plan seed (default 0)")
+    p.add_argument("--step-ms", type=float, default=0.0, help="simulated trainer step time; reports data wait %%")
+    p.add_argument("--device", default="cpu", help="copy batches to this device, e.g. cuda (default cpu)")
+    p.add_argument("--augment", action="store_true", help="also run the augmentation + log-mel chain per batch")
+    p.add_argument("--cache-dir", default=None, help="local shard cache for remote datasets")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args) -> int:
-    raise SystemExit("bench: not implemented yet")
+    import json
+
+    from shardtrain.bench import BenchConfig, bench_loader
+    from shardtrain.plan import BucketConfig
+    from shardtrain.stream import StreamConfig
+    from shardtrain.world import World
+
+    stream = StreamConfig(
+        bucket=BucketConfig(max_batch_seconds=args.max_batch_seconds, max_batch_size=args.max_batch_size),
+        num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir)
+    bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
+                        device=args.device, augment=args.augment)
+    out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
+                       stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        width = max(map(len, out))
+        for k, v in out.items():
+            print(f"{k:<{width}}  {v}")
+    return 0
 
 
 # ---- train (owner: train) -----------------------------------------------------------------------
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model (one process or under torchrun)")
+    p = sub.add_parser("train", help="train a model (one process or under torchrun)",
+                       description="Train a CTC recogniser on streamed shards. Under torchrun, rank and world size "
+                                   "come from its environment; on a torchrun restart the run resumes by itself.")
+    p.add_argument("--data", required=True, help="training dataset URL (path, file://, s3://)")
+    p.add_argument("--val-data", default="", help="validation dataset URL (omit to skip validation)")
+    p.add_argument("--pipeline", default="tiny_cpu", help="preset in pipelines/ (e.g. tiny_cpu, librispeech_base)")
+    p.add_argument("--max-steps", type=int, default=None, help="optimiser steps (overrides the preset)")
+    p.add_argument("--out", required=True, help="run directory: config.json, metrics.jsonl, checkpoints/")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set stream.bucket.max_batch_seconds=30 (repeatable)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option for s3:// URLs (repeatable; JSON values parsed)")
     p.set_defaults(func=_cmd_train)
 
 
 def _cmd_train(args) -> int:
-    raise SystemExit("train: not implemented yet")
+    import dataclasses
+    import json
+    import os
+
+    from pipelines import load_pipeline
+    from shardtrain.overrides import apply_overrides
+    from shardtrain.train import train
+    from shardtrain.world import World
+
+    world = World.from_env()
+    init_logging(world.rank, args.verbose)
+    try:
+        cfg = apply_overrides(load_pipeline(args.pipeline), args.overrides)
+        paths = {"data_url": args.data, "val_data_url": args.val_data, "out_dir": args.out}
+        if args.max_steps is not None:
+            paths["max_steps"] = args.max_steps
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **paths))
+    except ValueError as e:
+        raise SystemExit(f"train: {e}") from None
+    # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:
+        result = train(cfg, world, resume=args.resume or restarted,
+                       storage_options=_parse_storage_options(args.storage_option) or None)
+    except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
+        raise SystemExit(f"train: {e}") from None
+    if world.is_main:
+        print(json.dumps(result, sort_keys=True))
+    return 0
 
 
 # ---- augment-demo (owner: augment) --------------------------------------------------------------
 def _add_augment_demo(sub) -> None:
-    p = sub.add_parser("augment-demo", help="write augmented examples as WAV files and spectrogram PNGs")
+    p = sub.add_parser("augment-demo", help="write augmented examples as WAV files and spectrogram PNGs",
+                       description="Run the device augmentation chain on a few utterances and write, per example, "
+                                   "the original and augmented audio (WAV) and a PNG with three panels: original "
+                                   "log-mel, augmented log-mel, and the model's input (normalised + SpecAugment).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", metavar="DATASET_URL",
+                     help="dataset packed by `shardtrain pack` (path or s3:// URL); its first --n utterances are used")
+    src.add_argument("--tone", action="store_true",
+                     help="use generated speech-like waves (shardtrain.testing.synth_wave); the default without --data")
+    p.add_argument("--out", required=True, help="output folder for the WAV and PNG files (created if missing)")
+    p.add_argument("--n", type=int, default=4, help="number of examples (one batch)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the augmentation generator (and of the tones)")
+    p.add_argument("--duration-s", type=float, default=4.0, help="with --tone: length of the longest example in seconds")
+    p.add_argument("--noise-data", metavar="DATASET_URL", default=None,
+                   help="packed noise dataset for additive noise (default: generated white/pink/brown noise)")
+    p.add_argument("--rir-data", metavar="DATASET_URL", default=None,
+                   help="packed room-impulse-response dataset for reverb (default: synthetic RIRs)")
+    p.add_argument("--p", type=float, default=1.0,
+                   help="probability of every wave op (speed, reverb, noise, gain) per example; 1.0 shows them all")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option for s3:// URLs (repeatable), e.g. client_kwargs='{\"endpoint_url\": ...}'")
     p.set_defaults(func=_cmd_augment_demo)
 
 
 def _cmd_augment_demo(args) -> int:
-    raise SystemExit("augment-demo: not implemented yet")
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import soundfile
+    import torch
+
+    from shardtrain.augment import (AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig,
+                                    SpeedConfig)
+    from shardtrain.features import FeatureConfig, log_mel
+
+    if args.n < 1:
+        raise SystemExit("--n must be >= 1")
+    so = _parse_storage_options(args.storage_option) or None
+    feats_cfg = FeatureConfig()
+    rate = feats_cfg.sample_rate_hz
+    if args.data:
+        bank = NoiseBank.from_dataset(args.data, max_seconds=1e9, sample_rate_hz=rate, storage_options=so,
+                                      max_clips=args.n)
+        names = bank.names
+        waves, lengths = bank.waves, bank.lengths
+    else:
+        from shardtrain.testing import synth_wave
+
+        clips = [torch.from_numpy(synth_wave(args.duration_s * (1.0 - 0.15 * i), rate, seed=args.seed + i))
+                 for i in range(args.n)]
+        names = [f"tone{i}" for i in range(args.n)]
+        lengths = torch.tensor([c.shape[0] for c in clips])
+        waves = torch.nn.utils.rnn.pad_sequence(clips, batch_first=True)
+    aug = AugmentConfig(speed=SpeedConfig(p=args.p, factors=(0.9, 1.1)),
+                        reverb=ReverbConfig(p=args.p, rir_url=args.rir_data),
+                        noise=NoiseConfig(p=args.p, snr_db=(5.0, 20.0), noise_url=args.noise_data),
+                        gain=GainConfig(p=args.p))
+    chain = DeviceAugment(aug, feats_cfg, rate, storage_options=so)
+    aug_waves, aug_lengths = chain.augment_waves(waves, lengths, torch.Generator().manual_seed(args.seed))
+    final, final_lengths = chain(waves, lengths, torch.Generator().manual_seed(args.seed))  # same draws + masks
+    raw_cfg = FeatureConfig(normalize="none")
+    orig_feats, orig_flen = log_mel(chain.mel, waves, lengths, raw_cfg)
+    aug_feats, aug_flen = log_mel(chain.mel, aug_waves, aug_lengths, raw_cfg)
+    os.makedirs(args.out, exist_ok=True)
+    for i, name in enumerate(names):
+        stem = os.path.join(args.out, f"{i:02d}_{name}")
+        n0, n1 = int(lengths[i]), int(aug_lengths[i])
+        out = aug_waves[i, :n1]
+        peak = float(out.abs().max()) if n1 else 0.0
+        soundfile.write(stem + "_orig.wav", waves[i, :n0].numpy(), rate)
+        soundfile.write(stem + "_aug.wav", (out / peak * 0.99 if peak > 0.99 else out).numpy(), rate)
+        fig, axes = plt.subplots(3, 1, figsize=(10, 8), constrained_layout=True)
+        panels = [(orig_feats[i, : int(orig_flen[i])], f"original log-mel ({n0 / rate:.2f} s)"),
+                  (aug_feats[i, : int(aug_flen[i])], f"augmented log-mel ({n1 / rate:.2f} s, speed {n0 / max(n1, 1):.2f})"),
+                  (final[i, : int(final_lengths[i])], "model input: normalised + SpecAugment")]
+        for ax, (x, title) in zip(axes, panels):
+            im = ax.imshow(x.T.numpy(), origin="lower", aspect="auto", interpolation="nearest")
+            ax.set_title(title)
+            ax.set_ylabel("mel bin")
+            fig.colorbar(im, ax=ax)
+        axes[-1].set_xlabel("frame (10 ms)")
+        fig.savefig(stem + ".png", dpi=80)
+        plt.close(fig)
+        print(f"{stem}_orig.wav  {stem}_aug.wav  {stem}.png  ({n0} -> {n1} samples"
+              f"{', peak-normalised' if peak > 0.99 else ''})")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

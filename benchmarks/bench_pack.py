@@ -1,0 +1,184 @@
+"""Packing throughput: `shardtrain pack` vs webdataset's ShardWriter vs lhotse's Shar export, same corpus, same run.
+
+    corpus (make_corpus tone FLAC, or --speech espeak-ng) -> for workers in (1, 2):
+        shardtrain.pack (probe + sort + encode/keep + tar + sha256 + index + manifest)
+        webdataset.ShardWriter (the same FLAC bytes + json, input order, no probe/sort/index); N processes
+        lhotse CutSet.to_shar(fields={"recording": "flac"}) (Recording.from_file probe + decode/re-encode)
+    -> files/s, audio hours/s, MB/s (output bytes / wall), one JSON line + a table
+
+Every tool writes to a fresh folder on local disk; wall time includes each tool's own metadata work (shardtrain's
+probe, lhotse's Recording.from_file) so the comparison is end to end; library imports happen before any timing.
+Shards are ~16 MB by default so a 2,000-file corpus gives enough shards for 2 workers to share. Run:
+
+    .venv/bin/python benchmarks/bench_pack.py --utterances 2000 --workers 1 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except OSError:
+        return ""
+
+
+def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float) -> dict:
+    from shardtrain.pack import PackConfig, pack
+
+    t0 = time.perf_counter()
+    r = pack(PackConfig(input=str(corpus), output=str(out), workers=workers, target_shard_mb=target_shard_mb,
+                        progress=False))
+    return {"wall_s": time.perf_counter() - t0, "files": r.samples, "audio_s": r.seconds, "bytes": _dir_bytes(out),
+            "shards": r.shards, "probe_s": r.probe_s}
+
+
+def _wds_part(args) -> tuple[int, float]:
+    import soundfile as sf
+    import webdataset as wds
+
+    files, out, part, maxsize = args
+    audio_s = 0.0
+    with wds.ShardWriter(str(out / f"part{part}-%06d.tar"), maxsize=maxsize, maxcount=10**9, verbose=0) as w:
+        for audio in files:
+            audio = Path(audio)
+            data = audio.read_bytes()
+            text = audio.with_suffix(".txt").read_text(encoding="utf-8").strip()
+            info = sf.info(str(audio))  # the same header read pack does, for a fair json
+            audio_s += info.duration
+            meta = {"text": text, "duration_s": info.duration, "sample_rate_hz": info.samplerate}
+            w.write({"__key__": audio.stem, "flac": data, "json": json.dumps(meta).encode()})
+    return len(files), audio_s
+
+
+def run_webdataset(corpus: Path, out: Path, workers: int, target_shard_mb: float) -> dict:
+    """Input order (no sorting), contiguous slices of the file list, one ShardWriter per process."""
+    import contextlib
+    import io
+
+    out.mkdir(parents=True)
+    files = sorted(str(p) for p in corpus.glob("*.flac"))
+    parts = [(files[len(files) * k // workers: len(files) * (k + 1) // workers], out, k,
+              int(target_shard_mb * (1 << 20))) for k in range(workers)]
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):  # ShardWriter prints "# writing ..." per shard
+        if workers == 1:
+            res = [_wds_part(parts[0])]
+        else:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:  # children inherit the imports
+                res = pool.map(_wds_part, parts)
+    return {"wall_s": time.perf_counter() - t0, "files": sum(n for n, _ in res), "audio_s": sum(a for _, a in res),
+            "bytes": _dir_bytes(out), "shards": len(list(out.glob("*.tar")))}
+
+
+def run_lhotse(corpus: Path, out: Path, workers: int, shard_size: int) -> dict:
+    from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
+
+    t0 = time.perf_counter()
+    recs, sups = [], []
+    for p in sorted(corpus.glob("*.flac")):
+        rec = Recording.from_file(p)
+        recs.append(rec)
+        sups.append(SupervisionSegment(id=rec.id, recording_id=rec.id, start=0.0, duration=rec.duration,
+                                       text=p.with_suffix(".txt").read_text(encoding="utf-8").strip()))
+    cuts = CutSet.from_manifests(recordings=RecordingSet.from_recordings(recs),
+                                 supervisions=SupervisionSet.from_segments(sups))
+    probe_s = time.perf_counter() - t0
+    out.mkdir(parents=True)
+    cuts.to_shar(out, fields={"recording": "flac"}, shard_size=shard_size, num_jobs=workers)
+    return {"wall_s": time.perf_counter() - t0, "files": len(recs), "audio_s": sum(r.duration for r in recs),
+            "bytes": _dir_bytes(out), "shards": len(list(out.glob("recording.*.tar"))), "probe_s": probe_s}
+
+
+def make_input(args, root: Path) -> Path:
+    if args.speech:
+        from shardtrain.testing import synth_speech_corpus
+
+        corpus = synth_speech_corpus(root / "speech", args.utterances, seed=0, workers=2, layout="flat")
+        return Path(corpus)
+    from shardtrain.testing import make_corpus
+
+    rng = np.random.default_rng(0)
+    durations = np.round(rng.uniform(args.min_duration_s, args.max_duration_s, args.utterances), 2).tolist()
+    return make_corpus(root / "tones", durations, seed=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--utterances", type=int, default=2000, help="corpus size (>= 2000 for the reported numbers)")
+    ap.add_argument("--min-duration-s", type=float, default=1.0, help="shortest tone utterance (seconds)")
+    ap.add_argument("--max-duration-s", type=float, default=12.0, help="longest tone utterance (seconds)")
+    ap.add_argument("--speech", action="store_true", help="espeak-ng speech corpus instead of tones (slower to make)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to measure")
+    ap.add_argument("--target-shard-mb", type=float, default=16.0, help="shard size for shardtrain and webdataset")
+    ap.add_argument("--tools", nargs="+", default=["shardtrain", "webdataset", "lhotse"],
+                    help="which tools to run (shardtrain webdataset lhotse)")
+    ap.add_argument("--work-dir", default=None, help="where to put corpus and outputs (default: a temp folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import lhotse  # noqa: F401  - import cost (torch) is paid here, outside every timed section
+    import webdataset  # noqa: F401
+
+    import shardtrain.audio  # noqa: F401
+
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_pack-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        t0 = time.perf_counter()
+        corpus = make_input(args, root)
+        make_s = time.perf_counter() - t0
+        n_files = len(list(corpus.glob("*.flac")))
+        in_bytes = sum(p.stat().st_size for p in corpus.glob("*.flac"))
+        rows = []
+        for workers in args.workers:
+            for tool in args.tools:
+                out = root / f"out-{tool}-{workers}"
+                shutil.rmtree(out, ignore_errors=True)
+                if tool == "shardtrain":
+                    r = run_shardtrain(corpus, out, workers, args.target_shard_mb)
+                elif tool == "webdataset":
+                    r = run_webdataset(corpus, out, workers, args.target_shard_mb)
+                else:
+                    per_shard = max(1, int(n_files * args.target_shard_mb * (1 << 20) / max(in_bytes, 1)))
+                    r = run_lhotse(corpus, out, workers, per_shard)
+                r.update(tool=tool, workers=workers, files_per_s=r["files"] / r["wall_s"],
+                         audio_h_per_s=r["audio_s"] / 3600 / r["wall_s"], mb_per_s=r["bytes"] / 1e6 / r["wall_s"])
+                rows.append(r)
+                shutil.rmtree(out, ignore_errors=True)
+        record = {"bench": "pack", "git_sha": _git_sha(), "cpus": os.cpu_count(),
+                  "config": {k: v for k, v in vars(args).items() if k not in ("work_dir", "keep")},
+                  "corpus": {"files": n_files, "bytes": in_bytes, "make_s": round(make_s, 2)},
+                  "results": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}
+        print(json.dumps(record, sort_keys=True))
+        print(f"\n{'tool':<11} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
+              f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6}")
+        for r in rows:
+            print(f"{r['tool']:<11} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
+                  f"{r['files_per_s']:>8.0f} {r['audio_h_per_s']:>9.3f} {r['mb_per_s']:>7.1f} {r['shards']:>6}")
+    finally:
+        if not args.keep and not args.work_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Shared plumbing of the loader benchmarks: cached inputs, isolated runs, statistics and output.
+
+    work dir (cached across runs; delete it to regenerate)
+      corpus-<kind>-<n>-s<seed>/      speech (espeak-ng, synth_speech_corpus) or tone (make_corpus) FLAC + .txt
+      ds-<kind>-<n>-s<seed>-<mb>mb/   `shardtrain pack` output (manifest.json written last = cache marker)
+      shar-<kind>-<n>-s<seed>-<k>/    lhotse Shar export of the same audio (`.done` marker)
+    run_isolated(script, func, kwargs) -> one fresh Python process per measured run
+    summarize(values) -> median / min / max; markdown_table(rows, cols); json line with the git sha
+
+Why a fresh process per run: peak RSS is measured over the process tree of the run, so every tool starts from
+the same empty interpreter (imports done before the clock starts) and no tool inherits another's heap, page
+faults or DataLoader workers. The cost is ~2-4 s of imports per run, outside the timed region.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+DEFAULT_WORK_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardtrain-bench"
+log = logging.getLogger("bench")
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        return ""
+
+
+def machine() -> dict:
+    import platform
+
+    import psutil
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "mem_gb": round(psutil.virtual_memory().total / 2**30, 1), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+# ---------------------------------------------------------------------------------------------- cached inputs
+def prepare_corpus(work_dir: Path, n: int, *, kind: str = "speech", seed: int = 0,
+                   min_duration_s: float = 1.0, max_duration_s: float = 6.0) -> Path:
+    """A flat folder of n FLAC files + .txt transcripts; generated once per (kind, n, seed), then reused.
+
+    speech: espeak-ng sentences (~1-7 s, real FLAC compression, ~1 min per 2,000 on 2 cores);
+    tone: synthetic tones with durations uniform in [min_duration_s, max_duration_s] (no espeak needed).
+    """
+    root = work_dir / f"corpus-{kind}-{n}-s{seed}"
+    if (root / ".done").exists():
+        return root
+    t0 = time.perf_counter()
+    if kind == "speech":
+        from shardtrain.testing import synth_speech_corpus
+
+        synth_speech_corpus(root, n, seed=seed, workers=os.cpu_count() or 2, layout="flat", progress=False)
+    elif kind == "tone":
+        from shardtrain.testing import make_corpus
+
+        rng = np.random.default_rng(seed)
+        make_corpus(root, np.round(rng.uniform(min_duration_s, max_duration_s, n), 2).tolist(), seed=seed)
+    else:
+        raise ValueError(f"--corpus must be speech or tone, got {kind!r}")
+    (root / ".done").write_text("ok\n")
+    log.info("corpus %s: %d utterances in %.1f s", root, n, time.perf_counter() - t0)
+    return root
+
+
+def prepare_dataset(work_dir: Path, corpus: Path, *, shard_mb: float = 16.0) -> Path:
+    """`shardtrain pack` of the corpus (cached; manifest.json is written last, so it marks a complete pack)."""
+    out = work_dir / f"ds-{corpus.name.removeprefix('corpus-')}-{shard_mb:g}mb"
+    if (out / "manifest.json").exists():
+        return out
+    from shardtrain.pack import PackConfig, pack
+
+    t0 = time.perf_counter()
+    pack(PackConfig(input=str(corpus), output=str(out), workers=os.cpu_count() or 2, target_shard_mb=shard_mb,
+                    progress=False, overwrite=True))
+    log.info("packed %s in %.1f s", out, time.perf_counter() - t0)
+    return out
+
+
+def dataset_summary(ds: Path) -> dict:
+    m = json.loads((ds / "manifest.json").read_text())
+    return {"samples": m["totals"]["samples"], "audio_hours": round(m["totals"]["seconds"] / 3600, 3),
+            "bytes_mb": round(m["totals"]["bytes"] / 2**20, 1), "shards": m["totals"]["shards"],
+            "mean_duration_s": round(m["totals"]["seconds"] / max(1, m["totals"]["samples"]), 3)}
+
+
+def shard_paths(ds: Path) -> list[str]:
+    m = json.loads((ds / "manifest.json").read_text())
+    return [str(ds / s["name"]) for s in m["shards"]]
+
+
+def upload_dir(s3, local: Path, bucket: str, prefix: str) -> str:
+    """Copy every file of `local` to s3://bucket/prefix/ (flat) and return that URL."""
+    url = s3.make_bucket(bucket)
+    fs = s3.fs()
+    for p in sorted(local.iterdir()):
+        if p.is_file() and not p.name.startswith("."):
+            fs.put_file(str(p), f"{bucket}/{prefix}/{p.name}")
+    return f"{url}/{prefix}"
+
+
+def presigned_urls(s3, bucket: str, keys: Sequence[str], expires_s: int = 6 * 3600) -> list[str]:
+    """Plain http URLs for objects of the loopback server: how tools without an s3:// handler read S3."""
+    client = s3.client()
+    return [client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": k}, ExpiresIn=expires_s)
+            for k in keys]
+
+
+# ---------------------------------------------------------------------------------------------- isolated runs
+def run_isolated(script: str, func: str, kwargs: dict, *, env: dict | None = None, timeout_s: float = 900) -> dict:
+    """Run `func(**kwargs)` of benchmarks/<script>.py in a fresh interpreter and return its dict result."""
+    code = (f"import sys, json; sys.path.insert(0, {str(BENCH_DIR)!r}); import {script} as m; "
+            f"r = m.{func}(**json.loads(sys.argv[1])); print('@@RESULT@@' + json.dumps(r))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout_s, cwd=str(REPO))
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("@@RESULT@@"):
+            return json.loads(line[len("@@RESULT@@"):])
+    raise RuntimeError(f"{script}.{func}({kwargs}) failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def time_batches(batches, *, sample_rate_hz: int, t_start: float, rss) -> dict:
+    """Drain an iterator of (waves [B, T] float32, lengths [B]) and time it like shardtrain.bench does."""
+    samples = n_batches = 0
+    real = padded = 0
+    first_batch_s = None
+    for waves, lengths in batches:
+        if first_batch_s is None:
+            first_batch_s = time.perf_counter() - t_start
+        n_batches += 1
+        samples += int(lengths.shape[0])
+        real += int(lengths.sum())
+        padded += int(waves.numel())
+    wall = time.perf_counter() - t_start
+    audio_s = real / sample_rate_hz
+    return {"samples": samples, "audio_seconds": round(audio_s, 3), "wall_seconds": round(wall, 3),
+            "samples_per_s": round(samples / wall, 2), "audio_s_per_s": round(audio_s / wall, 1),
+            "padding_efficiency": round(real / padded, 4) if padded else None, "batches": n_batches,
+            "first_batch_s": round(first_batch_s or 0.0, 3), "peak_rss_mb": round(rss.peak_bytes / 2**20, 1)}
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+METRICS = ("audio_s_per_s", "samples_per_s", "padding_efficiency", "first_batch_s", "peak_rss_mb")
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """Median and min-max spread of repeated runs (spread = the range, honest for 3-5 runs)."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def aggregate(runs: list[dict], metrics: Sequence[str] = METRICS) -> dict:
+    return {m: summarize([r.get(m) for r in runs]) for m in metrics}
+
+
+def fmt_stat(s: dict, digits: int = 0) -> str:
+    """`median (min-max)`; a single run prints the value alone."""
+    if s["median"] is None:
+        return "-"
+    f = (lambda v: f"{v:,.{digits}f}")
+    if s["n"] <= 1 or s["min"] == s["max"]:
+        return f(s["median"])
+    return f"{f(s['median'])} ({f(s['min'])}-{f(s['max'])})"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def markdown_table(rows: list[dict], columns: Sequence[tuple[str, str]]) -> str:
+    """rows of already formatted cells; columns = (key, header)."""
+    head = "| " + " | ".join(h for _, h in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(str(r.get(k, "")) for k, _ in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def json_line(obj: dict) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")

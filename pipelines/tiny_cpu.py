@@ -1,0 +1,28 @@
+"""Tiny CTC Conformer (~2M parameters) that learns on 2 CPU cores in minutes; also the preset tests start from.
+
+    shardtrain train --data shards/train --val-data shards/dev --pipeline tiny_cpu --max-steps 600 --out runs/tiny
+
+Batches of at most 60 s of audio per rank; light augmentation (speed perturbation, SpecAugment, some gain and
+noise; no reverberation, whose FFT convolutions cost more than the model on a CPU).
+"""
+from __future__ import annotations
+
+from shardtrain.augment import AugmentConfig, GainConfig, NoiseConfig, ReverbConfig
+from shardtrain.features import FeatureConfig
+from shardtrain.model import SIZES
+from shardtrain.plan import BucketConfig
+from shardtrain.stream import StreamConfig
+from shardtrain.train import RunConfig, TrainConfig
+
+
+def config() -> RunConfig:
+    return RunConfig(
+        stream=StreamConfig(bucket=BucketConfig(max_batch_seconds=60.0, num_buckets=8, chunk_mb=4.0),
+                            decode_threads=2),
+        augment=AugmentConfig(reverb=ReverbConfig(p=0.0), noise=NoiseConfig(p=0.3, snr_db=(10.0, 30.0)),
+                              gain=GainConfig(p=0.3)),
+        features=FeatureConfig(n_mels=80),
+        model=SIZES["tiny"],
+        train=TrainConfig(lr=2e-3, warmup_steps=100, max_steps=1000, log_every_steps=10, val_every_steps=200,
+                          ckpt_every_steps=200, keep_last=2, grad_clip_norm=5.0),
+    )

@@ -1,0 +1,175 @@
+"""Dataset metadata: `index.parquet` (one row per sample) and `manifest.json` (the commit point).
+
+    dataset URL -> manifest.json -> Dataset(url, manifest, shards=[ShardInfo], storage_options)
+                -> Dataset.read_index(columns) -> pyarrow.Table (column projection: planning reads only
+                   key/shard/duration_s, a few bytes per sample, never audio)
+
+A dataset without manifest.json is incomplete (the packer writes it last) and `open_dataset` refuses it.
+Summaries and integrity checks over a Dataset live in `shardtrain.inspect`.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shardtrain import storage
+
+FORMAT = "shardtrain"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+INDEX = "index.parquet"
+
+INDEX_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("shard", pa.int32()),
+        ("offset", pa.int64()),
+        ("size", pa.int64()),
+        ("audio_offset", pa.int64()),
+        ("audio_size", pa.int64()),
+        ("json_offset", pa.int64()),
+        ("json_size", pa.int64()),
+        ("codec", pa.string()),
+        ("duration_s", pa.float64()),
+        ("num_samples", pa.int64()),
+        ("sample_rate_hz", pa.int32()),
+        ("channels", pa.int16()),
+        ("text", pa.string()),
+        ("speaker", pa.string()),
+        ("language", pa.string()),
+        ("source", pa.string()),
+    ]
+)
+"""Columns of index.parquet, in order (contracts.md). Rows: shard ascending, then position in shard."""
+
+
+class DatasetError(RuntimeError):
+    """A dataset URL that cannot be read as shard format v1 (missing/incomplete/unsupported)."""
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:06d}.tar"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    name: str
+    samples: int
+    seconds: float
+    min_duration_s: float
+    max_duration_s: float
+    bytes: int
+    sha256: str
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardInfo":
+        return cls(
+            name=d["name"],
+            samples=int(d["samples"]),
+            seconds=float(d["seconds"]),
+            min_duration_s=float(d["min_duration_s"]),
+            max_duration_s=float(d["max_duration_s"]),
+            bytes=int(d["bytes"]),
+            sha256=d["sha256"],
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "samples": self.samples,
+            "seconds": self.seconds,
+            "min_duration_s": self.min_duration_s,
+            "max_duration_s": self.max_duration_s,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Dataset:
+    """An opened (complete) dataset: the manifest in memory, the index read on demand."""
+
+    url: str
+    manifest: dict = field(repr=False)
+    shards: list[ShardInfo] = field(repr=False)
+    storage_options: dict | None = field(default=None, repr=False)
+
+    def shard_url(self, i: int) -> str:
+        return storage.join(self.url, self.shards[i].name)
+
+    @property
+    def index_url(self) -> str:
+        return storage.join(self.url, self.manifest.get("index", INDEX))
+
+    def read_index(self, columns: Sequence[str] | None = None) -> pa.Table:
+        """index.parquet as a pyarrow Table; `columns` projects (only those column chunks are read)."""
+        fs, path = storage.fs_and_path(self.index_url, self.storage_options)
+        with fs.open(path, "rb") as f:
+            return pq.read_table(f, columns=list(columns) if columns is not None else None)
+
+    @property
+    def totals(self) -> dict:
+        return dict(self.manifest["totals"])
+
+
+def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
+    """Open a dataset folder/prefix. Reads only manifest.json (a few KB per 1,000 shards)."""
+    url = str(url).rstrip("/")
+    murl = storage.join(url, MANIFEST)
+    try:
+        raw = storage.read_bytes(murl, storage_options)
+    except FileNotFoundError:
+        raise DatasetError(
+            f"incomplete dataset: no manifest.json at {url}; re-run `shardtrain pack` (it resumes)"
+        ) from None
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:
+        raise DatasetError(f"{murl}: not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise DatasetError(f"{murl}: not a shardtrain manifest (format={manifest.get('format')!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DatasetError(
+            f"{murl}: format_version {manifest.get('format_version')!r} is not supported "
+            f"(this shardtrain reads version {FORMAT_VERSION})"
+        )
+    shards = [ShardInfo.from_dict(s) for s in manifest["shards"]]
+    return Dataset(url=url, manifest=manifest, shards=shards, storage_options=storage_options)
+
+
+def index_table(rows: list[dict]) -> pa.Table:
+    """Rows (dicts with INDEX_SCHEMA's names) to a typed table; missing nullable fields become null."""
+    cols = {name: [r.get(name) for r in rows] for name in INDEX_SCHEMA.names}
+    return pa.table(cols, schema=INDEX_SCHEMA)
+
+
+def index_bytes(table: pa.Table) -> bytes:
+    """Serialise deterministically (no pandas metadata, fixed row groups) so equal input -> equal bytes."""
+    buf = io.BytesIO()
+    pq.write_table(
+        table.replace_schema_metadata(None),
+        buf,
+        compression="zstd",
+        row_group_size=1 << 20,
+        write_statistics=True,
+        store_schema=False,
+    )
+    return buf.getvalue()
+
+
+def write_index(url: str, table: pa.Table, storage_options: dict | None = None) -> None:
+    storage.atomic_write_bytes(storage.join(url, INDEX), index_bytes(table), storage_options)
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def write_manifest(url: str, manifest: dict, storage_options: dict | None = None) -> None:
+    """Write manifest.json: call this LAST; its presence marks the dataset complete."""
+    storage.atomic_write_bytes(storage.join(url, MANIFEST), manifest_bytes(manifest), storage_options)

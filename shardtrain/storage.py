@@ -1,0 +1,220 @@
+"""Every location is an fsspec URL: a local path, `file://...`, or `s3://bucket/prefix`.
+
+This module is the only place that knows how to talk to a filesystem, so pack, index and stream share one set of
+choices:
+
+- s3fs defaults (5 MB blocks, `bytes` cache) are slow for large sequential reads; `fs_and_path` sets 8 MB blocks
+  and a read-ahead cache unless the caller's storage options say otherwise. Against SeaweedFS on loopback a
+  64 MB object then streams in ~0.1 s instead of ~0.35 s (stack.md).
+- `region_name` is never injected (bucket creation fails on some S3 servers); set `AWS_DEFAULT_REGION`.
+- Writes are atomic: a temp name + `os.replace` locally, one whole-object PUT (or s3fs's multipart upload for a
+  file) on S3, where an object only becomes visible once complete.
+- `read_range` reads in pieces and on a transient error backs off exponentially and resumes at the byte reached,
+  so a dropped connection in the middle of a 256 MB shard costs one piece, not the whole shard.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+log = logging.getLogger(__name__)
+
+S3_BLOCK_BYTES = 8 << 20
+"""Block size for s3fs file objects (>= 8 MB: one GET per block, sequential reads amortise the request cost)."""
+
+_S3_DEFAULTS: dict[str, Any] = {
+    "default_block_size": S3_BLOCK_BYTES,
+    "default_cache_type": "readahead",
+    "default_fill_cache": False,
+}
+
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+)
+"""Errors that a retry cannot fix; everything else raised by a read counts as transient."""
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
+def is_local(url: str | os.PathLike) -> bool:
+    """True for plain paths and `file://` URLs (atomic rename is available there)."""
+    return _protocol(str(url)) in ("file", "local")
+
+
+def fs_and_path(url: str | os.PathLike, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Filesystem and in-filesystem path for `url`, with s3fs tuned for large sequential reads.
+
+    fsspec caches filesystem instances per (class, options) and per process, so calling this per file is cheap.
+    """
+    url = str(url)
+    opts = dict(storage_options or {})
+    if _protocol(url) in ("s3", "s3a"):
+        for k, v in _S3_DEFAULTS.items():
+            opts.setdefault(k, v)
+    fs, path = fsspec.core.url_to_fs(url, **opts)
+    return fs, path
+
+
+def join(url: str | os.PathLike, name: str) -> str:
+    """`url` + "/" + `name` without doubling slashes; works for paths and URLs alike."""
+    return str(url).rstrip("/") + "/" + name.lstrip("/")
+
+
+def exists(url: str | os.PathLike, storage_options: dict | None = None) -> bool:
+    fs, path = fs_and_path(url, storage_options)
+    return fs.exists(path)
+
+
+def size(url: str | os.PathLike, storage_options: dict | None = None) -> int:
+    fs, path = fs_and_path(url, storage_options)
+    return int(fs.size(path))
+
+
+def ls_names(url: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
+    """Base names directly under `url` (empty when it does not exist). Refreshes s3fs's listing cache."""
+    fs, path = fs_and_path(url, storage_options)
+    try:
+        fs.invalidate_cache(path)
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+
+def makedirs(url: str | os.PathLike, storage_options: dict | None = None) -> None:
+    """Create a local folder; a no-op on object stores (prefixes need no creation)."""
+    if is_local(url):
+        fs, path = fs_and_path(url, storage_options)
+        fs.makedirs(path, exist_ok=True)
+
+
+def remove(url: str | os.PathLike, storage_options: dict | None = None, *, recursive: bool = False) -> None:
+    """Delete a file (or a folder/prefix with `recursive`); missing is fine."""
+    fs, path = fs_and_path(url, storage_options)
+    try:
+        fs.rm(path, recursive=recursive)
+    except FileNotFoundError:
+        pass
+
+
+def read_bytes(url: str | os.PathLike, storage_options: dict | None = None) -> bytes:
+    """Whole small object (manifest, markers). Large shards go through `read_range`."""
+    fs, path = fs_and_path(url, storage_options)
+    return fs.cat_file(path)
+
+
+def atomic_write_bytes(url: str | os.PathLike, data: bytes, storage_options: dict | None = None) -> None:
+    """Write `data` so readers see either nothing/the old content or all of it.
+
+    Locally: write a unique temp name in the same folder, fsync, rename over the target (atomic on POSIX).
+    On object stores a single PUT is atomic by itself.
+    """
+    url = str(url)
+    fs, path = fs_and_path(url, storage_options)
+    if is_local(url):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    else:
+        fs.pipe_file(path, data)
+        fs.invalidate_cache(path)
+
+
+def commit_local_file(tmp_path: str | os.PathLike, url: str | os.PathLike, storage_options: dict | None = None) -> None:
+    """Publish a finished local temp file at `url` and remove the temp: rename locally, upload whole on S3.
+
+    The temp must already sit in the target folder for a local `url` (rename cannot cross filesystems).
+    s3fs uploads files above its block size as multipart; the object appears only when the upload completes.
+    """
+    url = str(url)
+    fs, path = fs_and_path(url, storage_options)
+    if is_local(url):
+        os.replace(tmp_path, path)
+        return
+    try:
+        fs.put_file(str(tmp_path), path)
+        fs.invalidate_cache(path)
+    finally:
+        Path(tmp_path).unlink(missing_ok=True)
+
+
+def read_range(
+    url: str | os.PathLike,
+    start: int = 0,
+    end: int | None = None,
+    storage_options: dict | None = None,
+    *,
+    retries: int = 5,
+    piece_bytes: int = 8 << 20,
+    backoff_s: float = 0.2,
+    max_backoff_s: float = 10.0,
+) -> bytes:
+    """Bytes `[start, end)` of `url` (to the end of the object when `end` is None).
+
+    Reads `piece_bytes` at a time. A transient error (anything but `PERMANENT_ERRORS`) is retried up to `retries`
+    times in a row with exponential backoff (`backoff_s * 2**k`, capped), resuming at the first byte not yet
+    read; the retry count resets whenever a piece arrives. Costs one request per piece: 8 MB pieces keep the
+    per-request overhead (~1-5 ms on loopback S3) under 1% of transfer time.
+    """
+    fs, path = fs_and_path(url, storage_options)
+    if end is None:
+        end = _with_retry(lambda: int(fs.size(path)), url, retries, backoff_s, max_backoff_s)
+    if start < 0 or end < start:
+        raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
+    out = bytearray()
+    pos = start
+    failures = 0
+    while pos < end:
+        stop = min(end, pos + piece_bytes)
+        try:
+            piece = fs.cat_file(path, start=pos, end=stop)
+        except PERMANENT_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 - network stacks raise many types; all are retried, then re-raised
+            failures += 1
+            if failures > retries:
+                raise OSError(f"reading {url} bytes [{pos}, {end}) failed after {retries} retries: {e}") from e
+            delay = min(max_backoff_s, backoff_s * 2 ** (failures - 1))
+            log.warning("read %s at byte %d failed (%s); retry %d/%d in %.2fs", url, pos, e, failures, retries, delay)
+            time.sleep(delay)
+            continue
+        if not piece:
+            raise EOFError(f"{url}: object ended at byte {pos}, expected {end}")
+        out += piece
+        pos += len(piece)
+        failures = 0
+    return bytes(out)
+
+
+def _with_retry(fn, url, retries: int, backoff_s: float, max_backoff_s: float):
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except PERMANENT_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if attempt == retries:
+                raise OSError(f"{url}: failed after {retries} retries: {e}") from e
+            time.sleep(min(max_backoff_s, backoff_s * 2**attempt))
+    raise AssertionError("unreachable")

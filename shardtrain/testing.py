@@ -1,0 +1,394 @@
+"""Generated test data, shared by tests, benchmarks and the demo: nothing is downloaded, nothing is committed.
+
+- `synth_wave` / `make_corpus`: speech-like tones (harmonics + vibrato + syllable envelope + a little noise) in any
+  codec soundfile writes (wav, flac, opus, mp3), with pseudo-sentence transcripts. Milliseconds per file, no
+  system tools, byte-deterministic for wav/flac (see `make_corpus` for opus/mp3).
+- `synth_speech_corpus`: real speech from espeak-ng (varied voices, speeds and pitches), 16 kHz mono FLAC in the
+  LibriSpeech layout or flat, with transcripts normalised like LibriSpeech (UPPERCASE, apostrophes, spaces) and a
+  TSV manifest. A model can actually learn from it, which is what the demo needs. About 2,000 short utterances
+  per ~30-60 s on 2 cores (espeak-ng is ~10 ms per sentence; resampling + FLAC encode is ~2 ms).
+- `LocalS3`, `DropProxy` (re-exported from `shardtrain.s3local`): a real SeaweedFS server on loopback and a
+  proxy that cuts downloads mid-stream.
+
+Manifests (`manifest.tsv`, `manifest.jsonl`) have the columns path, text, speaker; `path` is relative to the
+folder holding the manifest.
+
+`python -m shardtrain.testing s3-serve --dir DIR` runs a LocalS3 in the foreground (used by scripts/s3-server).
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from shardtrain.s3local import DropProxy, LocalS3, find_weed  # noqa: F401  (re-exported)
+
+log = logging.getLogger(__name__)
+
+# soundfile (format, subtype) and file extension per codec name; "ogg" is an alias of opus (Ogg container).
+_FORMATS = {
+    "wav": ("WAV", "PCM_16", "wav"),
+    "flac": ("FLAC", "PCM_16", "flac"),
+    "opus": ("OGG", "OPUS", "opus"),
+    "ogg": ("OGG", "OPUS", "opus"),
+    "mp3": ("MP3", "MPEG_LAYER_III", "mp3"),
+}
+_OPUS_RATES_HZ = (8000, 12000, 16000, 24000, 48000)
+
+_WORDS = {
+    "adj": "quiet bright little old young green cold warm heavy gentle silent early happy narrow distant "
+           "simple strange golden wooden broken careful honest patient steady".split(),
+    "noun": "river garden window captain morning letter village teacher station mountain kitchen shadow "
+            "doctor engine island market pocket summer harbour lantern forest student bridge painter".split(),
+    "verb": "watched carried followed opened painted found remembered answered crossed visited cleaned "
+            "described noticed reached gathered borrowed lifted".split(),
+    "prep": "near behind beside under across above toward past".split(),
+    "adv": "slowly quickly quietly suddenly carefully again never always".split(),
+    "name": "anna thomas mary james helen peter clara william sarah george".split(),
+}
+_TEMPLATES = (
+    "the {adj} {noun} {verb} the {noun} {prep} the {noun}",
+    "{name} {verb} a {adj} {noun} {adv}",
+    "we {verb} the {noun} {prep} the {adj} {noun} and then we {verb} it {adv}",
+    "{name} said that the {noun} was {adj}",
+    "it was {adj} when {name} {verb} the {noun}",
+    "they {adv} {verb} the {adj} {noun} {prep} the old {noun} by the {noun}",
+    "the {noun} is {adj}",
+    "{name} and {name} {verb} the {noun} {prep} a {adj} {noun} before the {noun} was {adj} again",
+    "don't forget the {adj} {noun}",
+)
+
+
+def synth_wave(duration_s: float, sample_rate_hz: int = 16000, seed: int = 0) -> np.ndarray:
+    """Speech-like mono float32 wave of round(duration_s * rate) samples, peak about 0.3.
+
+    A gliding f0 (90-240 Hz, 3% vibrato, slow intonation drift) with 5 decaying harmonics, shaped by a 3-5 Hz
+    syllable envelope, plus noise at -35 dB: codecs and features behave roughly as on speech, not as on a pure
+    sine. Deterministic in (duration_s, sample_rate_hz, seed).
+    """
+    if duration_s < 0 or sample_rate_hz <= 0:
+        raise ValueError(f"synth_wave: duration_s must be >= 0 and sample_rate_hz > 0, got {duration_s}, "
+                         f"{sample_rate_hz}")
+    rng = np.random.default_rng(seed)
+    n = int(round(duration_s * sample_rate_hz))
+    t = np.arange(n) / sample_rate_hz
+    f0 = rng.uniform(90, 240)
+    vibrato = 1 + 0.03 * np.sin(2 * np.pi * rng.uniform(4, 7) * t + rng.uniform(0, 2 * np.pi))
+    drift = 1 + 0.08 * np.sin(2 * np.pi * rng.uniform(0.2, 0.6) * t + rng.uniform(0, 2 * np.pi))
+    phase = 2 * np.pi * np.cumsum(f0 * vibrato * drift) / sample_rate_hz
+    wave = np.zeros(n)
+    for k in range(1, 6):
+        wave += rng.uniform(0.5, 1.0) / k * np.sin(k * phase + rng.uniform(0, 2 * np.pi))
+    wave *= 0.25 + 0.75 * np.abs(np.sin(np.pi * rng.uniform(3, 5) * t + rng.uniform(0, np.pi)))
+    peak = np.abs(wave).max() if n else 1.0
+    wave = 0.3 * wave / max(peak, 1e-9) + 0.005 * rng.standard_normal(n)
+    fade = min(n // 2, int(0.01 * sample_rate_hz))
+    if fade:
+        ramp = np.linspace(0.0, 1.0, fade)
+        wave[:fade] *= ramp
+        wave[n - fade:] *= ramp[::-1]
+    return wave.astype(np.float32)
+
+
+def pseudo_sentence(rng: np.random.Generator) -> str:
+    """A plain English sentence from built-in templates, normalised like LibriSpeech."""
+    template = _TEMPLATES[int(rng.integers(len(_TEMPLATES)))]
+    text = re.sub(r"\{(\w+)\}", lambda m: str(rng.choice(_WORDS[m.group(1)])), template)
+    return normalize_text(text)
+
+
+def normalize_text(text: str) -> str:
+    """LibriSpeech-style transcript: UPPERCASE letters, in-word apostrophes and single spaces only."""
+    text = re.sub(r"[^A-Z']+", " ", text.upper())
+    words = (w.strip("'") for w in text.split())
+    return " ".join(w for w in words if w)
+
+
+def _sub_seed(seed: int, i: int) -> int:
+    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+
+
+def write_manifests(root: Path, rows: Sequence[tuple[str, str, str]]) -> None:
+    """`manifest.tsv` (header + path, text, speaker) and `manifest.jsonl` in `root`; paths relative to root."""
+    with open(root / "manifest.tsv", "w", encoding="utf-8") as f:
+        f.write("path\ttext\tspeaker\n")
+        for path, text, speaker in rows:
+            f.write(f"{path}\t{text}\t{speaker}\n")
+    with open(root / "manifest.jsonl", "w", encoding="utf-8") as f:
+        for path, text, speaker in rows:
+            f.write(json.dumps({"path": path, "text": text, "speaker": speaker}, sort_keys=True) + "\n")
+
+
+def make_corpus(
+    dir: str | os.PathLike,
+    durations_s: Sequence[float],
+    *,
+    sample_rate_hz: int = 16000,
+    fmt: str = "flac",
+    channels: int = 1,
+    seed: int = 0,
+    text_fn: Callable[[int], str] | None = None,
+) -> Path:
+    """Write `utt-00000.<ext>` + `utt-00000.txt` per duration, plus manifest.tsv/.jsonl; returns the folder.
+
+    fmt: wav | flac | opus (alias ogg; Ogg container, extension .opus) | mp3. wav and flac are byte-identical for
+    the same arguments; opus/mp3 decode to a slightly different length (codec pre-skip/padding) and their bytes
+    depend on the libsndfile build. Speakers cycle spk0..spk2. text_fn(i) overrides the pseudo-sentences.
+    """
+    if fmt not in _FORMATS:
+        raise ValueError(f"make_corpus: fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
+    major, subtype, ext = _FORMATS[fmt]
+    if ext == "opus" and sample_rate_hz not in _OPUS_RATES_HZ:
+        raise ValueError(f"make_corpus: opus needs sample_rate_hz in {_OPUS_RATES_HZ}, got {sample_rate_hz}")
+    if channels < 1:
+        raise ValueError("make_corpus: channels must be >= 1")
+    root = Path(dir)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, duration_s in enumerate(durations_s):
+        sub = _sub_seed(seed, i)
+        chans = [synth_wave(duration_s, sample_rate_hz, seed=sub + c) for c in range(channels)]
+        wave = chans[0] if channels == 1 else np.stack(chans, axis=1)
+        name = f"utt-{i:05d}"
+        sf.write(root / f"{name}.{ext}", wave, sample_rate_hz, format=major, subtype=subtype)
+        text = text_fn(i) if text_fn is not None else pseudo_sentence(np.random.default_rng(sub))
+        text = " ".join(text.split())  # no tabs/newlines: they would break the TSV
+        (root / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
+        rows.append((f"{name}.{ext}", text, f"spk{i % 3}"))
+    write_manifests(root, rows)
+    log.info("make_corpus: %d %s files, %.1f s of audio in %s", len(rows), ext, float(sum(durations_s)), root)
+    return root
+
+
+# ---- real speech with espeak-ng ------------------------------------------------------------------------------
+_PREFERRED_VOICES = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-us-nyc", "en-gb-x-gbclan",
+                     "en-gb-x-gbcwmd")
+_VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m7", "f1", "f2", "f3", "f4", "f5")
+_FORTUNE_DIR = Path("/usr/share/games/fortunes")
+_ESPEAK_RATE_HZ = 22050
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Utt:
+    rel_path: str
+    text: str
+    speaker: str
+    voice: str
+    speed_wpm: int
+    pitch: int
+
+
+def _espeak() -> str:
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        raise RuntimeError("espeak-ng not found: install with apt-get install espeak-ng, "
+                           "or use make_corpus for tone audio")
+    return exe
+
+
+def _available_voices(exe: str) -> tuple[list[str], list[str]]:
+    """(base voices, variants) from the preferred lists that this espeak-ng has (mbrola voices excluded)."""
+    out = subprocess.run([exe, "--voices=en"], capture_output=True, text=True, check=True).stdout
+    langs = {cols[1] for cols in (line.split() for line in out.splitlines()[1:])
+             if len(cols) >= 5 and not cols[4].startswith("mb/")}
+    voices = [v for v in _PREFERRED_VOICES if v in langs] or ["en"]
+    out = subprocess.run([exe, "--voices=variant"], capture_output=True, text=True, check=True).stdout
+    files = {line.split()[-1].rsplit("/", 1)[-1] for line in out.splitlines()[1:] if line.split()}
+    return voices, [v for v in _VARIANTS if v in files]
+
+
+def load_fortune_sentences(max_words: int = 18) -> list[str]:
+    """Short plain-ASCII fortunes (attributions cut), normalised; [] when the fortunes package is absent."""
+    if not _FORTUNE_DIR.is_dir():
+        return []
+    out: set[str] = set()
+    for path in sorted(_FORTUNE_DIR.iterdir()):
+        if path.suffix or not path.is_file():  # skip .dat/.u8 and the off/ folder
+            continue
+        try:
+            raw = path.read_text(encoding="ascii")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for fortune in raw.split("\n%\n"):
+            body = fortune.split("--")[0]
+            if re.search(r"[^A-Za-z ,.;:!?'\"\n-]", body) or re.search(r"\n\s", body):
+                continue  # digits, symbols, code, verse indentation: not plain spoken text
+            text = normalize_text(body)
+            if 3 <= len(text.split()) <= max_words:
+                out.add(text)
+    return sorted(out)
+
+
+def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: list[str],
+                 sentences: list[str]) -> list[_Utt]:
+    """Pure plan: speakers (voice, variant, speed, pitch), chapters, texts and paths for n utterances."""
+    rng = np.random.default_rng(seed)
+    n_speakers = max(1, min(40, round(math.sqrt(n))))
+    speaker_ids = sorted(int(x) for x in rng.choice(np.arange(100, 10000), n_speakers, replace=False))
+    speakers = []
+    for k, sid in enumerate(speaker_ids):
+        voice = voices[k % len(voices)]
+        if variants:
+            voice += "+" + variants[int(rng.integers(len(variants)))]
+        chapters = sorted(int(x) for x in rng.choice(np.arange(1000, 100000), 2, replace=False))
+        speakers.append((str(sid), voice, int(rng.integers(140, 181)), int(rng.integers(30, 71)), chapters))
+    per_speaker = [len(range(k, n, n_speakers)) for k in range(n_speakers)]
+    counters: dict[tuple[int, int], int] = {}
+    plan = []
+    for i in range(n):
+        k, j = i % n_speakers, i // n_speakers
+        sid, voice, speed, pitch, chapters = speakers[k]
+        chapter = chapters[min(1, 2 * j // max(1, per_speaker[k]))]  # first half of a speaker's utts: chapter 0
+        u = counters[(k, chapter)] = counters.get((k, chapter), -1) + 1
+        urng = np.random.default_rng(_sub_seed(seed, i))
+        if sentences:
+            text = sentences[int(urng.integers(len(sentences)))]
+        else:
+            text = pseudo_sentence(urng)
+        utt_id = f"{sid}-{chapter}-{u:04d}"
+        rel = f"{sid}/{chapter}/{utt_id}.flac" if layout == "librispeech" else f"{utt_id}.flac"
+        speed = int(np.clip(speed + urng.integers(-10, 11), 130, 190))
+        plan.append(_Utt(rel_path=rel, text=text, speaker=sid, voice=voice, speed_wpm=speed, pitch=pitch))
+    return plan
+
+
+def _speak(exe: str, utt: _Utt, root: Path, sample_rate_hz: int) -> float:
+    """espeak-ng -> WAV bytes on stdout -> resample -> 16-bit FLAC; returns the duration in seconds."""
+    import torch
+    import torchaudio.functional as AF
+
+    # lowercase for espeak: it spells out short all-caps words as acronyms ("US" -> "U S")
+    cmd = [exe, "-v", utt.voice, "-s", str(utt.speed_wpm), "-p", str(utt.pitch), "--stdout", utt.text.lower()]
+    proc = subprocess.run(cmd, capture_output=True, check=False)
+    if proc.returncode != 0 or len(proc.stdout) < 100:
+        raise RuntimeError(f"espeak-ng failed for {utt.rel_path} ({' '.join(cmd[:7])}): "
+                           f"{proc.stderr.decode(errors='replace')[-500:]}")
+    wave, rate = sf.read(io.BytesIO(proc.stdout), dtype="float32")
+    if wave.ndim > 1:
+        wave = wave.mean(axis=1)
+    if rate != sample_rate_hz:
+        wave = AF.resample(torch.from_numpy(wave), rate, sample_rate_hz).numpy()
+    out = root / utt.rel_path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(out, np.clip(wave, -1.0, 1.0), sample_rate_hz, format="FLAC", subtype="PCM_16")
+    return len(wave) / sample_rate_hz
+
+
+def synth_speech_corpus(
+    dir: str | os.PathLike,
+    n: int,
+    *,
+    seed: int = 0,
+    workers: int = 2,
+    layout: str = "librispeech",
+    sample_rate_hz: int = 16000,
+    progress: bool = True,
+    text_source: str = "auto",
+) -> Path:
+    """n utterances of espeak-ng speech as mono 16-bit FLAC with transcripts; returns the folder.
+
+    layout "librispeech": DIR/<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac + <speaker>-<chapter>.trans.txt;
+    layout "flat": DIR/<id>.flac + DIR/<id>.txt. Both write DIR/manifest.tsv and manifest.jsonl.
+    About sqrt(n) speakers (at most 40), each a voice+variant with its own pitch and base speed (130-190 wpm),
+    two chapters per speaker. text_source: "auto" (fortunes when /usr/share/games/fortunes exists, else
+    built-in templates), "fortunes" or "builtin" (the same text on every machine, for reproducible tests).
+    Deterministic for a given machine's espeak-ng and text source. Cost: ~15-30 ms per utterance per worker.
+    """
+    if layout not in ("librispeech", "flat"):
+        raise ValueError(f"synth_speech_corpus: layout must be 'librispeech' or 'flat', got {layout!r}")
+    if text_source not in ("auto", "fortunes", "builtin"):
+        raise ValueError(f"synth_speech_corpus: text_source must be auto|fortunes|builtin, got {text_source!r}")
+    if n < 1 or workers < 1:
+        raise ValueError("synth_speech_corpus: n and workers must be >= 1")
+    exe = _espeak()
+    t0 = time.perf_counter()
+    voices, variants = _available_voices(exe)
+    sentences = [] if text_source == "builtin" else load_fortune_sentences()
+    if text_source == "fortunes" and not sentences:
+        raise RuntimeError(f"text_source='fortunes' but no usable fortunes under {_FORTUNE_DIR} "
+                           "(apt-get install fortunes)")
+    plan = _plan_speech(n, seed, layout, voices, variants, sentences)
+    root = Path(dir)
+    root.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=n, unit="utt", desc="espeak-ng", disable=not progress or not sys.stderr.isatty())
+    total_s = 0.0
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for seconds in pool.map(lambda u: _speak(exe, u, root, sample_rate_hz), plan):
+            total_s += seconds
+            bar.update(1)
+    bar.close()
+
+    if layout == "librispeech":
+        chapters: dict[Path, list[str]] = {}
+        for u in plan:
+            p = root / u.rel_path
+            chapters.setdefault(p.parent / f"{p.parent.parent.name}-{p.parent.name}.trans.txt", []).append(
+                f"{p.stem} {u.text}")
+        for trans, lines in chapters.items():
+            trans.write_text("\n".join(sorted(lines)) + "\n", encoding="utf-8")
+    else:
+        for u in plan:
+            (root / u.rel_path).with_suffix(".txt").write_text(u.text + "\n", encoding="utf-8")
+    write_manifests(root, [(u.rel_path, u.text, u.speaker) for u in plan])
+    elapsed = time.perf_counter() - t0
+    log.info("synth_speech_corpus: %d utterances, %.2f h of audio, %d speakers in %.1f s (%.0f utt/s) -> %s",
+             n, total_s / 3600, len({u.speaker for u in plan}), elapsed, n / elapsed, root)
+    return root
+
+
+# ---- `python -m shardtrain.testing s3-serve` -----------------------------------------------------------------
+def _serve(dir: Path) -> int:
+    """Run a LocalS3 with data in DIR/data until SIGTERM/SIGINT; writes DIR/env.sh once the server answers."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    dir.mkdir(parents=True, exist_ok=True)
+    (dir / "env.sh").unlink(missing_ok=True)
+    with LocalS3(dir / "data", log_path=dir / "weed.log") as s3:
+        lines = [f"export {k}={v}" for k, v in s3.env.items()]
+        tmp = dir / "env.sh.tmp"
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(dir / "env.sh")  # atomic: scripts/s3-server waits for this file
+        print(f"SeaweedFS S3 at {s3.endpoint_url} (started in {s3.start_time_s:.2f} s)", flush=True)
+        while not stop.wait(1.0):
+            if not s3.running:
+                print(f"SeaweedFS exited; log tail:\n{s3.log_tail()}", file=sys.stderr)
+                return 1
+    (dir / "env.sh").unlink(missing_ok=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m shardtrain.testing", description="test-data helpers")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("s3-serve", help="run SeaweedFS on loopback in the foreground until SIGTERM")
+    s.add_argument("--dir", required=True, type=Path, help="state folder: data/, weed.log, env.sh")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _serve(args.dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

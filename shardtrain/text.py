@@ -1,0 +1,168 @@
+"""Text side of CTC training: the token vocabulary, greedy CTC decoding, and CER/WER.
+
+    index.parquet "text" column -> CharVocab (blank=0, then every character seen, sorted)
+    texts [B] -> encode -> targets [sum(U)] int64 + target_lengths [B]
+    log_probs [B, T', V] -> greedy_decode (argmax, collapse repeats, drop blank) -> ids -> decode -> texts
+    (hyps, refs) -> edit distances on characters (CER) and whitespace words (WER)
+
+The character vocabulary is built from the training index (one column read, no audio), so a new corpus
+needs no tokenizer step. Characters are kept as they are (no case folding): a corpus in capitals, such as
+LibriSpeech, decodes in capitals. Characters missing from the vocabulary (only possible in validation text) are
+dropped from targets and counted. SentencePiece is optional: it is used only when asked for, and raises a clear
+error when the package is not installed.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLANK = 0
+
+
+def normalize_text(text: str) -> str:
+    """Collapse runs of whitespace and strip the ends; the only normalisation applied to transcripts."""
+    return " ".join(text.split())
+
+
+class Tokenizer(Protocol):
+    """What the trainer needs from a tokenizer. Id 0 is always the CTC blank."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def __len__(self) -> int: ...
+    def to_json(self) -> dict: ...
+
+
+class CharVocab:
+    """Characters to ids: 0 = CTC blank, 1.. = the sorted characters seen in the training transcripts."""
+
+    def __init__(self, chars: Sequence[str]) -> None:
+        if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
+            raise ValueError("CharVocab needs distinct single characters")
+        self.chars = list(chars)
+        self._ids = {c: i + 1 for i, c in enumerate(self.chars)}
+        self.unknown_chars = 0
+        """Characters dropped by `encode` because they were not in the vocabulary (running count)."""
+
+    @classmethod
+    def from_texts(cls, texts: Sequence[str]) -> "CharVocab":
+        seen: set[str] = set()
+        for t in texts:
+            seen.update(normalize_text(t))
+        return cls(sorted(seen))
+
+    @classmethod
+    def from_index(cls, url: str, storage_options: dict | None = None) -> "CharVocab":
+        """Read only the text column of the dataset's index.parquet (no audio is opened)."""
+        from shardtrain.index import open_dataset
+
+        table = open_dataset(url, storage_options).read_index(columns=["text"])
+        vocab = cls.from_texts(table.column("text").to_pylist())
+        log.info("character vocabulary: %d symbols + blank from %s", len(vocab.chars), url)
+        return vocab
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for c in normalize_text(text):
+            i = self._ids.get(c)
+            if i is None:
+                self.unknown_chars += 1
+            else:
+                out.append(i)
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i - 1] for i in ids if 0 < i <= len(self.chars))
+
+    def __len__(self) -> int:
+        return len(self.chars) + 1
+
+    def to_json(self) -> dict:
+        return {"kind": "char", "chars": self.chars}
+
+
+class SentencePieceVocab:
+    """A trained SentencePiece model; its ids are shifted by one so 0 stays the CTC blank."""
+
+    def __init__(self, model_path: str) -> None:
+        try:
+            import sentencepiece as spm
+        except ImportError as e:  # optional dependency
+            raise RuntimeError(
+                "train.tokenizer=sentencepiece needs the `sentencepiece` package: pip install sentencepiece "
+                "(or use train.tokenizer=char)"
+            ) from e
+        self.model_path = model_path
+        self._sp = spm.SentencePieceProcessor(model_file=model_path)
+
+    def encode(self, text: str) -> list[int]:
+        return [i + 1 for i in self._sp.encode(normalize_text(text))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([i - 1 for i in ids if i > 0])
+
+    def __len__(self) -> int:
+        return self._sp.get_piece_size() + 1
+
+    def to_json(self) -> dict:
+        return {"kind": "sentencepiece", "model_path": self.model_path}
+
+
+def tokenizer_from_json(d: dict) -> Tokenizer:
+    """Rebuild the tokenizer stored in a checkpoint, so a resumed run keeps the exact same ids."""
+    if d["kind"] == "char":
+        return CharVocab(d["chars"])
+    if d["kind"] == "sentencepiece":
+        return SentencePieceVocab(d["model_path"])
+    raise ValueError(f"unknown tokenizer kind {d['kind']!r}")
+
+
+def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Texts -> (concatenated targets [sum(U)] int64, target_lengths [B] int64), the layout F.ctc_loss takes."""
+    ids = [tok.encode(t) for t in texts]
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
+    flat = torch.tensor([i for x in ids for i in x], dtype=torch.int64)
+    return flat, lengths
+
+
+def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[list[int]]:
+    """Best path: argmax per frame, collapse repeats, drop blanks. log_probs [B, T, V], lengths [B].
+
+    One device->host copy of the argmax ids (a sync point); the collapse runs on the CPU.
+    """
+    best = log_probs.argmax(dim=-1).cpu()
+    out = []
+    for row, n in zip(best, lengths.cpu().tolist()):
+        ids = torch.unique_consecutive(row[:n]).tolist()
+        out.append([i for i in ids if i != BLANK])
+    return out
+
+
+def edit_distance(ref: Sequence, hyp: Sequence) -> int:
+    """Levenshtein distance (substitutions, insertions, deletions all cost 1); O(len(ref) * len(hyp))."""
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1]
+
+
+def error_counts(refs: Sequence[str], hyps: Sequence[str]) -> dict[str, int]:
+    """Summed edit distances and reference lengths, so ranks can all-reduce them before dividing.
+
+    CER counts characters of the normalised text (spaces included); WER counts whitespace-separated words.
+    """
+    c = {"char_errors": 0, "chars": 0, "word_errors": 0, "words": 0}
+    for ref, hyp in zip(refs, hyps):
+        ref, hyp = normalize_text(ref), normalize_text(hyp)
+        c["char_errors"] += edit_distance(ref, hyp)
+        c["chars"] += len(ref)
+        c["word_errors"] += edit_distance(ref.split(), hyp.split())
+        c["words"] += len(ref.split())
+    return c

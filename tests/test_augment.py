@@ -1,0 +1,323 @@
+"""Device augmentation and features: exact lengths, zero padding, determinism, SNR, identities, torchaudio
+parity, SpecAugment bounds, NoiseBank. CPU only except the CUDA parity test (skipped visibly without CUDA)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torchaudio
+
+from shardtrain.augment import (AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig,
+                                SpeedConfig, add_noise, apply_gain, resample, resampled_lengths, reverb,
+                                speed_perturb, synthetic_rirs)
+from shardtrain.features import FeatureConfig, SpecAugmentConfig, log_mel, normalize, spec_augment, valid_mask
+
+RATE = 16000
+
+
+def _batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-padded band-limited-ish random waves (a few tones plus noise) with the given true lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lengths)
+    width = max(lengths) if lengths else 0
+    t = torch.arange(width) / RATE
+    freqs = 100 + 3000 * torch.rand(len(lengths), 3, generator=g)
+    waves = (torch.sin(2 * math.pi * freqs[:, :, None] * t).sum(1) * 0.1
+             + 0.01 * torch.randn(len(lengths), width, generator=g))
+    return waves * valid_mask(lens, width), lens
+
+
+def _assert_padding_zero(waves: torch.Tensor, lengths: torch.Tensor) -> None:
+    pad = ~valid_mask(lengths.to(waves.device), waves.shape[1])
+    assert torch.count_nonzero(waves[pad]) == 0
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+LENGTHS = [16000, 12345, 8001, 5000, 401]
+
+
+# ---- speed perturbation and resampling -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("factor", [0.9, 1.1, 0.8, 1.2, 0.95])
+def test_speed_lengths_and_values_match_single_utterance_resample(factor):
+    waves, lens = _batch(LENGTHS)
+    out, new_lens = speed_perturb(waves, lens, [factor] * len(LENGTHS), sample_rate_hz=RATE)
+    orig = round(factor * RATE)
+    for i, n in enumerate(LENGTHS):
+        alone = torchaudio.functional.resample(waves[i : i + 1, :n], orig, RATE)[0]
+        assert int(new_lens[i]) == alone.shape[0]
+        torch.testing.assert_close(out[i, : alone.shape[0]], alone, atol=2e-5, rtol=1e-4)
+    assert out.shape[1] == int(new_lens.max())
+    _assert_padding_zero(out, new_lens)
+
+
+def test_resampled_lengths_formula_matches_torchaudio_over_many_lengths():
+    lens = torch.arange(1, 3000, 37)
+    for orig, new in [(14400, 16000), (17600, 16000), (44100, 16000), (8000, 16000), (15200, 16000)]:
+        expected = [torchaudio.functional.resample(torch.zeros(1, int(n)), orig, new).shape[-1] for n in lens]
+        assert resampled_lengths(lens, orig, new).tolist() == expected
+
+
+def test_mixed_factors_grouped_in_one_batch():
+    waves, lens = _batch(LENGTHS)
+    factors = [0.9, 1.0, 1.1, 0.9, 1.1]
+    out, new_lens = speed_perturb(waves, lens, factors, sample_rate_hz=RATE)
+    for i, (n, f) in enumerate(zip(LENGTHS, factors)):
+        alone, alone_len = speed_perturb(waves[i : i + 1, :n], lens[i : i + 1], [f], sample_rate_hz=RATE)
+        assert int(new_lens[i]) == int(alone_len[0])
+        torch.testing.assert_close(out[i, : int(alone_len[0])], alone[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out[1, :LENGTHS[1]], waves[1, :LENGTHS[1]])  # factor 1.0 row untouched
+    _assert_padding_zero(out, new_lens)
+
+
+def test_speed_factor_one_is_identity_and_resample_changes_rate():
+    waves, lens = _batch(LENGTHS)
+    out, new_lens = speed_perturb(waves, lens, [1.0] * 5, sample_rate_hz=RATE)
+    assert out is waves and torch.equal(new_lens, lens)
+    down, down_lens = resample(waves, lens, RATE, 8000)
+    assert down_lens.tolist() == [(n + 1) // 2 for n in LENGTHS]
+    _assert_padding_zero(down, down_lens)
+
+
+# ---- noise, gain, reverb -------------------------------------------------------------------------------------
+
+def test_add_noise_hits_drawn_snr_and_keeps_padding_zero():
+    waves, lens = _batch(LENGTHS)
+    bank = NoiseBank.coloured(clip_seconds=2.0, seed=3)
+    noise = bank.windows(len(LENGTHS), waves.shape[1], _gen(1))
+    snr = torch.tensor([5.0, 12.5, 20.0, 30.0, 0.0])
+    mixed = add_noise(waves, lens, noise, snr)
+    _assert_padding_zero(mixed, lens)
+    for i, n in enumerate(LENGTHS):
+        added = mixed[i, :n] - waves[i, :n]
+        measured = 10 * math.log10(float(waves[i, :n].pow(2).sum() / added.pow(2).sum()))
+        assert abs(measured - float(snr[i])) < 0.5, (i, measured)
+
+
+def test_gain_scales_by_db():
+    waves, lens = _batch(LENGTHS)
+    out = apply_gain(waves, torch.tensor([6.0, -6.0, 0.0, 20.0, -20.0]))
+    ratios = out[:, :401].abs().sum(1) / waves[:, :401].abs().sum(1)
+    torch.testing.assert_close(ratios, torch.tensor([10 ** 0.3, 10 ** -0.3, 1.0, 10.0, 0.1]))
+    assert torch.equal(out[2], waves[2])
+    _assert_padding_zero(out, lens)
+
+
+def test_reverb_compensates_direct_path_delay():
+    waves, lens = _batch(LENGTHS)
+    delayed = torch.zeros(len(LENGTHS), 800)
+    delayed[torch.arange(5), torch.tensor([0, 17, 80, 399, 799])] = 0.5  # pure delays: output must equal input
+    torch.testing.assert_close(reverb(waves, lens, delayed), waves, atol=1e-5, rtol=1e-4)
+    rirs = synthetic_rirs(5, rt60_s=(0.3, 0.6), drr_db=(0.0, 5.0), max_seconds=1.0, sample_rate_hz=RATE,
+                          generator=_gen(0), device=torch.device("cpu"))
+    wet = reverb(waves, lens, rirs)
+    _assert_padding_zero(wet, lens)
+    white = torch.randn(waves.shape, generator=_gen(2)) * valid_mask(lens, waves.shape[1])  # no periodic peaks
+    wet_white = reverb(white, lens, rirs)
+    for i, n in enumerate(LENGTHS[:3]):  # still aligned: correlation with the dry signal peaks at lag 0
+        x, y = white[i, :n], wet_white[i, :n]
+        lags = range(-40, 41)
+        corr = [float((x[max(0, -k): n - max(0, k)] * y[max(0, k): n - max(0, -k)]).sum()) for k in lags]
+        assert list(lags)[max(range(len(corr)), key=corr.__getitem__)] == 0
+        torch.testing.assert_close(y.pow(2).sum(), x.pow(2).sum(), rtol=1e-3, atol=1e-6)  # energy kept
+
+
+def test_synthetic_rir_peak_is_direct_path():
+    rirs = synthetic_rirs(64, rt60_s=(0.2, 0.8), drr_db=(0.0, 10.0), max_seconds=1.0, sample_rate_hz=RATE,
+                          generator=_gen(5), device=torch.device("cpu"))
+    assert rirs.shape == (64, int(0.8 * RATE))
+    assert int(rirs.abs().argmax(1).max()) <= 80  # peak within the 5 ms pre-delay
+    torch.testing.assert_close(rirs.norm(dim=1), torch.ones(64))
+
+
+# ---- the chain -----------------------------------------------------------------------------------------------
+
+FULL = AugmentConfig(speed=SpeedConfig(p=1.0), reverb=ReverbConfig(p=0.5), noise=NoiseConfig(p=0.8),
+                     gain=GainConfig(p=0.8), spec_augment=SpecAugmentConfig(p=1.0))
+
+
+def test_chain_lengths_equal_per_utterance_computation_and_padding_zero():
+    waves, lens = _batch(LENGTHS)
+    chain = DeviceAugment(FULL, FeatureConfig(), RATE)
+    out, new_lens = chain.augment_waves(waves, lens, _gen(7))
+    # recompute the factors the chain drew (first draw of the same generator) and the lengths utterance by utterance
+    u = torch.rand((5, 2), generator=_gen(7))
+    factors = torch.tensor(FULL.speed.factors, dtype=torch.float64)[(u[:, 1] * 3).long()]
+    for i, n in enumerate(LENGTHS):
+        alone = torchaudio.functional.resample(torch.zeros(1, n), round(float(factors[i]) * RATE), RATE)
+        assert int(new_lens[i]) == alone.shape[-1]
+    _assert_padding_zero(out, new_lens)
+    feats, feat_lens = chain(waves, lens, _gen(7))
+    assert torch.equal(feat_lens, 1 + new_lens // 160)
+    assert feats.shape == (5, int(feat_lens.max()), 80) and feats.dtype == torch.float32
+    _assert_padding_zero(feats.abs().sum(2), feat_lens)
+
+
+def test_empty_chain_is_identity_and_eval_skips_augmentation():
+    waves, lens = _batch(LENGTHS)
+    chain = DeviceAugment(AugmentConfig.disabled(), FeatureConfig(), RATE)
+    out, new_lens = chain.augment_waves(waves, lens, _gen(0))
+    assert torch.equal(out, waves) and torch.equal(new_lens, lens)
+    full = DeviceAugment(FULL, FeatureConfig(), RATE)
+    a, al = chain(waves, lens, _gen(0))
+    for gen, train in [(None, True), (_gen(0), False)]:
+        b, bl = full(waves, lens, gen, train=train)
+        assert torch.equal(a, b) and torch.equal(al, bl)
+
+
+def test_same_generator_state_same_output_and_seeds_differ():
+    waves, lens = _batch(LENGTHS)
+    chain = DeviceAugment(FULL, FeatureConfig(), RATE)
+    a, al = chain(waves, lens, _gen(11))
+    b, bl = chain(waves, lens, _gen(11))
+    assert torch.equal(a, b) and torch.equal(al, bl)
+    g = _gen(11)
+    g.set_state(_gen(11).get_state())
+    c, _ = chain(waves, lens, g)
+    assert torch.equal(a, c)
+    d, dl = chain(waves, lens, _gen(12))
+    assert not (torch.equal(al, dl) and torch.equal(a, d))
+
+
+def test_empty_batch():
+    chain = DeviceAugment(FULL, FeatureConfig(), RATE)
+    feats, feat_lens = chain(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), _gen(0))
+    assert feats.shape == (0, 1, 80) and feat_lens.shape == (0,)
+
+
+def test_input_rate_is_resampled_to_model_rate():
+    waves, lens = _batch([8000, 4000])
+    chain = DeviceAugment(AugmentConfig.disabled(), FeatureConfig(), 8000)
+    feats, feat_lens = chain(waves, lens, None)
+    assert feat_lens.tolist() == [1 + 16000 // 160, 1 + 8000 // 160]
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="augment.noise.snr_db"):
+        NoiseConfig(snr_db=(30.0, 5.0))
+    with pytest.raises(ValueError, match="augment.speed.p"):
+        SpeedConfig(p=1.5)
+    with pytest.raises(ValueError, match="features.global_mean"):
+        FeatureConfig(normalize="global")
+    with pytest.raises(ValueError, match="features.sample_rate_hz"):
+        DeviceAugment(FULL, FeatureConfig(), RATE, noise_bank=NoiseBank.coloured(clip_seconds=1, sample_rate_hz=8000))
+
+
+# ---- features --------------------------------------------------------------------------------------------------
+
+def test_log_mel_matches_torchaudio_on_single_utterances():
+    cfg = FeatureConfig(normalize="none")
+    waves, lens = _batch(LENGTHS)
+    feats, feat_lens = log_mel(cfg.mel_module(), waves, lens, cfg)
+    ref_mel = torchaudio.transforms.MelSpectrogram(sample_rate=RATE, n_fft=512, win_length=400, hop_length=160,
+                                                   n_mels=80)
+    for i, n in enumerate(LENGTHS):
+        ref = ref_mel(waves[i, :n]).clamp_min(1e-10).log().T
+        assert int(feat_lens[i]) == ref.shape[0] == cfg.feature_lengths(torch.tensor(n))
+        torch.testing.assert_close(feats[i, : ref.shape[0]], ref, atol=1e-4, rtol=1e-5)
+    _assert_padding_zero(feats.abs().sum(2), feat_lens)
+
+
+def test_utterance_normalisation_zero_mean_unit_var_over_true_frames():
+    cfg = FeatureConfig()
+    waves, lens = _batch(LENGTHS)
+    feats, feat_lens = log_mel(cfg.mel_module(), waves, lens, cfg)
+    normed = normalize(feats, feat_lens, cfg)
+    for i in range(len(LENGTHS)):
+        x = normed[i, : int(feat_lens[i])]
+        torch.testing.assert_close(x.mean(0), torch.zeros(80), atol=1e-4, rtol=0)
+        torch.testing.assert_close(x.std(0, unbiased=False), torch.ones(80), atol=1e-3, rtol=0)
+    _assert_padding_zero(normed.abs().sum(2), feat_lens)
+    glob = FeatureConfig(normalize="global", global_mean=(-5.0,), global_std=(2.0,))
+    torch.testing.assert_close(normalize(feats, feat_lens, glob), (feats + 5) / 2 * valid_mask(feat_lens, feats.shape[1])[:, :, None])
+
+
+def test_spec_augment_masks_stay_inside_true_lengths_and_fractions():
+    cfg = SpecAugmentConfig(p=1.0, n_time_masks=2, max_time_frames=100, max_time_fraction=0.05, n_freq_masks=2,
+                            max_freq_bins=27)
+    lens = torch.tensor([1000, 700, 301, 40, 1])
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(5, 1000, 80, generator=g) * valid_mask(lens, 1000)[:, :, None] + 3.0 * valid_mask(lens, 1000)[:, :, None]
+    any_time = False
+    for seed in range(20):
+        out = spec_augment(feats, lens, cfg, _gen(seed))
+        changed = out != feats
+        _assert_padding_zero(out.abs().sum(2), lens)
+        full_rows = changed.all(2)  # frames masked across every bin = time masks
+        for i, n in enumerate(lens.tolist()):
+            assert not changed[i, n:].any()
+            masked_frames = int(full_rows[i, :n].sum())
+            assert masked_frames <= 2 * min(100, int(0.05 * n))
+            any_time |= masked_frames > 0
+        masked_bins = changed.all(1)[lens > 100]  # bins masked in every frame = frequency masks
+        assert int(masked_bins.sum(1).max()) <= 2 * 27
+    assert any_time
+    assert torch.equal(spec_augment(feats, lens, dataclasses.replace(cfg, p=0.0), _gen(0)), feats)
+
+
+# ---- NoiseBank -------------------------------------------------------------------------------------------------
+
+def test_coloured_bank_shape_determinism_and_colour():
+    a = NoiseBank.coloured(clip_seconds=1.0, seed=4)
+    b = NoiseBank.coloured(clip_seconds=1.0, seed=4)
+    c = NoiseBank.coloured(clip_seconds=1.0, seed=5)
+    assert a.waves.shape == (3, RATE) and a.names == ["white", "pink", "brown"] and a.seconds == 3.0
+    assert torch.equal(a.waves, b.waves) and not torch.equal(a.waves, c.waves)
+    torch.testing.assert_close(a.waves.pow(2).mean(1), torch.ones(3), rtol=1e-4, atol=1e-4)
+    power = torch.fft.rfft(a.waves).abs().pow(2)
+    low_share = power[:, 1:400].sum(1) / power.sum(1)  # share of power below 400 Hz
+    assert low_share[0] < low_share[1] < low_share[2]
+    w1 = a.windows(4, 5000, _gen(1))
+    assert w1.shape == (4, 5000) and torch.equal(w1, a.windows(4, 5000, _gen(1)))
+    assert a.windows(2, 50000, _gen(1)).shape == (2, 50000)  # longer than the bank: wraps around
+
+
+def test_noise_bank_from_packed_dataset(tmp_path):
+    pytest.importorskip("shardtrain.audio", reason="shardtrain.audio (pack helper) not written yet")
+    import soundfile
+
+    from shardtrain.pack import PackConfig, pack
+
+    src = tmp_path / "noise"
+    src.mkdir()
+    for i, seconds in enumerate([0.5, 1.0, 2.0]):
+        wave, _ = _batch([int(seconds * 8000)], seed=i)
+        soundfile.write(src / f"n{i}.wav", wave[0].numpy(), 8000)
+        (src / f"n{i}.txt").write_text("noise")
+    pack(PackConfig(input=str(src), output=str(tmp_path / "ds"), progress=False))
+    bank = NoiseBank.from_dataset(str(tmp_path / "ds"), max_seconds=2.5, sample_rate_hz=RATE, device="cpu")
+    assert abs(bank.seconds - 2.5) < 1e-3 and bank.sample_rate_hz == RATE
+    assert float(bank.waves.abs().max()) > 0.01
+    chain = DeviceAugment(FULL, FeatureConfig(), RATE, noise_bank=bank)
+    waves, lens = _batch(LENGTHS)
+    out, new_lens = chain.augment_waves(waves, lens, _gen(0))
+    _assert_padding_zero(out, new_lens)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gen_device", ["cpu", "cuda"])
+def test_cpu_and_cuda_agree(gen_device):
+    waves, lens = _batch(LENGTHS)
+    cfg = dataclasses.replace(FULL, spec_augment=SpecAugmentConfig(p=0.0))
+    cpu = DeviceAugment(cfg, FeatureConfig(), RATE)
+    gpu = DeviceAugment(cfg, FeatureConfig(), RATE).to("cuda")
+    if gen_device == "cpu":  # a CPU generator draws the same numbers for both devices
+        a, al = cpu(waves, lens, _gen(3))
+        b, bl = gpu(waves.cuda(), lens.cuda(), _gen(3))
+        assert torch.equal(al, bl.cpu())
+        torch.testing.assert_close(b.cpu(), a, atol=2e-2, rtol=1e-3)
+    else:  # a CUDA generator: its own stream of numbers, but the same invariants and determinism
+        g1 = torch.Generator(device="cuda").manual_seed(3)
+        g2 = torch.Generator(device="cuda").manual_seed(3)
+        b, bl = gpu(waves.cuda(), lens.cuda(), g1)
+        c, cl = gpu(waves.cuda(), lens.cuda(), g2)
+        assert torch.equal(b, c) and torch.equal(bl, cl)
+        _assert_padding_zero(b.abs().sum(2), bl)
