@@ -41,12 +41,12 @@ def _git_sha() -> str:
         return ""
 
 
-def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float) -> dict:
+def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float, decode_check: bool = True) -> dict:
     from shardtrain.pack import PackConfig, pack
 
     t0 = time.perf_counter()
     r = pack(PackConfig(input=str(corpus), output=str(out), workers=workers, target_shard_mb=target_shard_mb,
-                        progress=False))
+                        decode_check=decode_check, progress=False))
     return {"wall_s": time.perf_counter() - t0, "files": r.samples, "audio_s": r.seconds, "bytes": _dir_bytes(out),
             "shards": r.shards, "probe_s": r.probe_s}
 
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speech", action="store_true", help="espeak-ng speech corpus instead of tones (slower to make)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to measure")
     ap.add_argument("--target-shard-mb", type=float, default=16.0, help="shard size for shardtrain and webdataset")
-    ap.add_argument("--tools", nargs="+", default=["shardtrain", "webdataset", "lhotse"],
-                    help="which tools to run (shardtrain webdataset lhotse)")
+    ap.add_argument("--tools", nargs="+", default=["shardtrain", "shardtrain-nocheck", "webdataset", "lhotse"],
+                    help="which tools to run (shardtrain shardtrain-nocheck webdataset lhotse)")
     ap.add_argument("--work-dir", default=None, help="where to put corpus and outputs (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args(argv)
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             for tool in args.tools:
                 out = root / f"out-{tool}-{workers}"
                 shutil.rmtree(out, ignore_errors=True)
-                if tool == "shardtrain":
-                    r = run_shardtrain(corpus, out, workers, args.target_shard_mb)
+                if tool.startswith("shardtrain"):  # "shardtrain-nocheck": without the full decode of kept audio
+                    r = run_shardtrain(corpus, out, workers, args.target_shard_mb, tool == "shardtrain")
                 elif tool == "webdataset":
                     r = run_webdataset(corpus, out, workers, args.target_shard_mb)
                 else:
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                   "corpus": {"files": n_files, "bytes": in_bytes, "make_s": round(make_s, 2)},
                   "results": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}
         print(json.dumps(record, sort_keys=True))
-        print(f"\n{'tool':<11} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
+        print(f"\n{'tool':<19} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
               f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6}")
         for r in rows:
-            print(f"{r['tool']:<11} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
+            print(f"{r['tool']:<19} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
                   f"{r['files_per_s']:>8.0f} {r['audio_h_per_s']:>9.3f} {r['mb_per_s']:>7.1f} {r['shards']:>6}")
     finally:
         if not args.keep and not args.work_dir:

@@ -57,6 +57,9 @@ def _add_pack(sub) -> None:
     p.add_argument("--channels", type=int, default=1, help="stored channel count (default: 1)")
     p.add_argument("--keep-original", action="store_true",
                    help="store input audio bytes unchanged (no transcoding, whatever codec/rate/channels)")
+    p.add_argument("--no-decode-check", action="store_true",
+                   help="do not fully decode audio kept byte for byte (faster; a truncated input file is then "
+                        "caught only by `inspect --verify` or the loader)")
     p.add_argument("--target-shard-mb", type=float, default=256.0,
                    help="target shard size in MiB, estimated from headers (default: 256)")
     p.add_argument("--max-samples-per-shard", type=int, default=None,
@@ -82,6 +85,7 @@ def _cmd_pack(args) -> int:
             input=args.input, output=args.output, source_format=args.source_format,
             storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
             sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
+            decode_check=not args.no_decode_check,
             target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
             min_duration_s=args.min_duration, max_duration_s=args.max_duration, workers=args.workers,
             strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
