@@ -118,7 +118,10 @@ def make_input(args, root: Path) -> Path:
 
     rng = np.random.default_rng(0)
     durations = np.round(rng.uniform(args.min_duration_s, args.max_duration_s, args.utterances), 2).tolist()
-    return make_corpus(root / "tones", durations, seed=0)
+    tones = root / "tones"
+    if (tones / "manifest.tsv").exists() and len(list(tones.glob("*.flac"))) == args.utterances:
+        return tones  # reuse a corpus left by an earlier run with --work-dir (same seed and sizes)
+    return make_corpus(tones, durations, seed=0)
 
 
 def main(argv: list[str] | None = None) -> int:

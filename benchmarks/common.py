@@ -156,7 +156,9 @@ def time_batches(batches, *, sample_rate_hz: int, t_start: float, rss) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- statistics
-METRICS = ("audio_s_per_s", "samples_per_s", "padding_efficiency", "first_batch_s", "peak_rss_mb")
+METRICS = ("audio_s_per_s", "samples_per_s", "padding_efficiency", "first_batch_s", "peak_rss_mb",
+           "batch_audio_s")
+"""batch_audio_s: mean audio seconds per batch (padding efficiency only compares at similar batch sizes)."""
 
 
 def summarize(values: Sequence[float]) -> dict:
@@ -168,6 +170,9 @@ def summarize(values: Sequence[float]) -> dict:
 
 
 def aggregate(runs: list[dict], metrics: Sequence[str] = METRICS) -> dict:
+    for r in runs:
+        if r.get("batches") and "batch_audio_s" not in r:
+            r["batch_audio_s"] = round(r["audio_seconds"] / r["batches"], 1)
     return {m: summarize([r.get(m) for r in runs]) for m in metrics}
 
 

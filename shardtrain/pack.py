@@ -326,7 +326,9 @@ def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
         found = json.loads(storage.read_bytes(storage.join(out, WORK + "/plan.json"), so)).get("fingerprint")
         if found == fp:
             return "resume"
-    ours = {n for n in names if n.startswith("shard-") or n in (index.MANIFEST, index.INDEX, REJECTS, WORK)}
+    ours = {n for n in names if n.startswith("shard-") or n in (index.MANIFEST, index.INDEX, REJECTS)}
+    if WORK in names and storage.ls_names(storage.join(out, WORK), so):
+        ours.add(WORK)  # an empty _work/ (crash before plan.json) holds nothing to protect
     if not ours:
         return "fresh"
     if not cfg.overwrite:
@@ -387,13 +389,16 @@ def pack(cfg: PackConfig) -> PackResult:
         "tool_version": __version__,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fp,
-        "options": {"input": str(cfg.input), **cfg.dataset_options()},
+        "options": {"input": str(cfg.input), **cfg.dataset_options(), "decode_check": cfg.decode_check},
         "index": index.INDEX,
         "rejects": REJECTS,
         "totals": {"samples": len(rows), "seconds": sum(s.seconds for s in shards),
                    "bytes": sum(s.bytes for s in shards), "shards": len(shards), "rejects": len(all_rejects)},
         "shards": [s.to_dict() for s in shards],
     }
+    if not rows:
+        log.warning("no sample was accepted from %s (%d rejects); see %s", cfg.input, len(all_rejects),
+                    storage.join(out, REJECTS))
     index.write_manifest(out, manifest, so)  # commit point
     storage.remove(storage.join(out, WORK), so, recursive=True)
     by_reason: dict[str, int] = {}

@@ -107,6 +107,10 @@ class TrainConfig:
     """Also write TensorBoard events under out_dir/tensorboard."""
     progress: bool = True
     """tqdm progress bar on rank 0 (only when stderr is a terminal)."""
+    cpu_threads: int = 0
+    """torch intra-op threads when training on the CPU; 0 keeps torch's default. On a busy machine (or beside the
+    loader's decode threads) 1 can be several times faster for small models: OpenMP threads spin-wait on each
+    other when a core is taken (measured: 8.5 s vs 54 s for 30 tiny steps on 2 loaded cores)."""
     fail_at_step: int | None = None
     """Test hook: the last rank raises once after this step (a marker file in out_dir makes it once only)."""
 
@@ -123,6 +127,8 @@ class TrainConfig:
             raise ValueError("train.tokenizer=sentencepiece needs train.sentencepiece_model=PATH")
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("train.lr must be > 0, train.warmup_steps >= 0, train.min_lr_ratio in [0, 1]")
+        if self.cpu_threads < 0:
+            raise ValueError("train.cpu_threads must be >= 0 (0 = torch default)")
         if self.log_every_steps < 1 or self.keep_last < 0:
             raise ValueError("train.log_every_steps must be >= 1 and train.keep_last >= 0")
 
@@ -271,6 +277,9 @@ def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options
     if not tc.data_url or not tc.out_dir:
         raise ValueError("train.data_url (--data) and train.out_dir (--out) are required")
     device = _resolve_device(tc, world)
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu" and tc.cpu_threads > 0:
+        torch.set_num_threads(tc.cpu_threads)
     own_pg = world.world_size > 1 and not dist.is_initialized()
     if own_pg:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank,
@@ -278,6 +287,7 @@ def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options
     try:
         return _train(cfg, world, device, resume, storage_options)
     finally:
+        torch.set_num_threads(threads_before)
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
 

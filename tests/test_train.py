@@ -29,7 +29,7 @@ from shardtrain.world import World
 # A 0.6M-parameter model, no augmentation/dropout unless a test turns them on, every batch = all utterances.
 SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.augment=false", "train.lr=3e-3",
          "train.warmup_steps=20", "stream.bucket.max_batch_seconds=30", "stream.bucket.num_buckets=1",
-         "train.tensorboard=false", "train.progress=false"]
+         "train.tensorboard=false", "train.progress=false", "train.cpu_threads=1"]
 
 
 def pack_subset(corpus: Path, out: Path, n: int) -> str:

@@ -1,0 +1,312 @@
+"""Loader throughput (issue 3): shardtrain vs a plain webdataset pipeline vs the decode-only limit, same shards.
+
+    corpus (espeak-ng speech, or --corpus tone) -> `shardtrain pack` (16 MB shards; cached in --work-dir)
+    decode-only limit: every shard read + every FLAC member decoded (soundfile, int16), one process per core
+    for storage in (local disk, SeaweedFS on loopback) x workers in (0, 1, 2):
+        shardtrain: shardtrain.bench.bench_loader (planned duration buckets under --max-batch-seconds)
+        webdataset: WebDataset(urls, shardshuffle) -> shuffle(1000) -> soundfile decode -> fixed batch size
+                    (the batch size that holds the same mean audio as a shardtrain batch) -> DataLoader(workers)
+    -> audio-s/s, samples/s, padding efficiency, first-batch latency, peak RSS (process tree), and the ratios
+       shardtrain / webdataset and shardtrain / decode-limit; one JSON line per run, a JSON file and a table
+
+Every measured run is a fresh interpreter (common.run_isolated); the clock starts after imports, before the
+loader is built, and stops after the last batch of one epoch. webdataset has no s3:// handler: it gets
+presigned http URLs of the same objects and reads them with its own curl handler (its cheapest S3 path).
+All reads hit the page cache after the first run (the same for every tool). Run:
+
+    .venv/bin/python benchmarks/bench_loader.py                 # 4,000 speech utterances, 0/1/2 workers
+    .venv/bin/python benchmarks/bench_loader.py --quick         # 400 utterances, smoke test (~1-2 min)
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+log = logging.getLogger("bench")
+SAMPLE_RATE_HZ = 16000
+
+
+# ---------------------------------------------------------------------------------------------- runners
+def run_shardtrain(url: str, workers: int, max_batch_seconds: float, seed: int = 0,
+                   decode_threads: int | None = None, storage_options: dict | None = None) -> dict:
+    """One epoch of the real loader on one rank (shardtrain.bench: the clock includes reading the index)."""
+    from shardtrain.bench import BenchConfig, bench_loader
+    from shardtrain.plan import BucketConfig
+    from shardtrain.stream import StreamConfig
+    from shardtrain.world import World
+
+    kw = {} if decode_threads is None else {"decode_threads": decode_threads}
+    stream = StreamConfig(bucket=BucketConfig(max_batch_seconds=max_batch_seconds), num_workers=workers, **kw)
+    return bench_loader(url, world=World(), seed=seed, stream=stream, bench=BenchConfig(epochs=1),
+                        storage_options=storage_options)
+
+
+def _wds_decode(sample: dict):
+    import soundfile as sf
+    import torch
+
+    wave, _ = sf.read(io.BytesIO(sample["flac"]), dtype="float32")
+    text = json.loads(sample["json"]).get("text", "")  # shardtrain parses the json too
+    return torch.from_numpy(wave), text
+
+
+def _pad(items: list):
+    """webdataset's collation: float32 [B, T] zero-padded + lengths."""
+    import torch
+
+    lengths = torch.tensor([len(w) for w, _ in items], dtype=torch.int64)
+    out = torch.zeros(len(items), int(lengths.max()), dtype=torch.float32)
+    for i, (w, _) in enumerate(items):
+        out[i, :len(w)] = w
+    return out, lengths
+
+
+def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0, shuffle_buffer: int = 1000) -> dict:
+    """The plain pipeline a webdataset user writes: shard shuffle, sample shuffle, decode, fixed batches."""
+    import torch
+    import webdataset as wds
+
+    from shardtrain.bench import RssSampler
+
+    with RssSampler() as rss:
+        t0 = time.perf_counter()
+        ds = (wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False)
+              .shuffle(shuffle_buffer).map(_wds_decode).batched(batch_size, collation_fn=_pad, partial=True))
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+                                         prefetch_factor=2 if workers else None)
+        out = common.time_batches(dl, sample_rate_hz=SAMPLE_RATE_HZ, t_start=t0, rss=rss)
+    return {**out, "workers": workers, "batch_size": batch_size}
+
+
+def _decode_shard(path: str) -> tuple[int, int]:
+    """(frames, utterances) of one shard: read the whole tar, decode every FLAC member with soundfile."""
+    import tarfile
+
+    import soundfile as sf
+
+    with open(path, "rb") as f:
+        data = f.read()
+    frames = n = 0
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+        for m in tf:
+            if m.name.endswith(".flac"):
+                wave, _ = sf.read(io.BytesIO(tf.extractfile(m).read()), dtype="int16")
+                frames += len(wave)
+                n += 1
+    return frames, n
+
+
+def run_decode_limit(paths: list[str], processes: int) -> dict:
+    """The machine's ceiling: tar read + decode in a tight loop, one process per core, nothing else."""
+    import multiprocessing
+
+    paths = sorted(paths, key=os.path.getsize, reverse=True)  # largest first: the pool's tail stays short
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        pool.map(abs, range(processes))  # workers started before the clock (and before torch is imported)
+        from shardtrain.bench import RssSampler
+
+        with RssSampler() as rss:
+            t0 = time.perf_counter()
+            res = list(pool.imap_unordered(_decode_shard, paths, chunksize=1))
+            wall = time.perf_counter() - t0
+    frames, n = sum(r[0] for r in res), sum(r[1] for r in res)
+    audio_s = frames / SAMPLE_RATE_HZ
+    return {"samples": n, "audio_seconds": round(audio_s, 3), "wall_seconds": round(wall, 3),
+            "audio_s_per_s": round(audio_s / wall, 1), "samples_per_s": round(n / wall, 2),
+            "padding_efficiency": None, "first_batch_s": None, "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
+            "processes": processes}
+
+
+RUNNERS = {"shardtrain": ("bench_loader", "run_shardtrain"), "webdataset": ("bench_loader", "run_webdataset"),
+           "lhotse": ("compare", "run_lhotse")}
+
+
+# ---------------------------------------------------------------------------------------------- orchestration
+class Targets:
+    """Where each tool reads the same data from, per storage ("local" or "s3"); owns the S3 server."""
+
+    def __init__(self, ds: Path, storages: list[str], work_dir: Path, shar: Path | None = None):
+        self.ds, self.shar, self.s3, self.env = ds, shar, None, {}
+        self.kw: dict[tuple[str, str], dict] = {}
+        shards = common.shard_paths(ds)
+        self.kw[("shardtrain", "local")] = {"url": str(ds)}
+        self.kw[("webdataset", "local")] = {"urls": shards}
+        if shar is not None:
+            self.kw[("lhotse", "local")] = _shar_fields(shar, lambda p: str(p))
+        if "s3" in storages:
+            from shardtrain.s3local import LocalS3
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="s3-", dir=work_dir)
+            self.s3 = LocalS3(Path(self._tmp.name) / "data").start()
+            t0 = time.perf_counter()
+            url = common.upload_dir(self.s3, ds, "bench", "ds")
+            self.kw[("shardtrain", "s3")] = {"url": url, "storage_options": self.s3.storage_options}
+            keys = [f"ds/{Path(p).name}" for p in shards]
+            self.kw[("webdataset", "s3")] = {"urls": common.presigned_urls(self.s3, "bench", keys)}
+            if shar is not None:
+                common.upload_dir(self.s3, shar, "bench", "shar")
+
+                def curl(p: Path) -> str:
+                    (u,) = common.presigned_urls(self.s3, "bench", [f"shar/{p.name}"])
+                    gunzip = " | gunzip -c" if p.name.endswith(".gz") else ""  # lhotse does not unzip pipes
+                    # the trailing shell comment gives lhotse the file name it picks the reader by
+                    return f"pipe:curl -s -f -L '{u}'{gunzip} #/{p.name}"
+
+                self.kw[("lhotse", "s3")] = _shar_fields(shar, curl)
+            self.env = self.s3.env
+            log.info("uploaded to SeaweedFS %s in %.1f s", self.s3.endpoint_url, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.s3 is not None:
+            self.s3.stop()
+            self._tmp.cleanup()
+
+
+def _shar_fields(shar: Path, to_url) -> dict:
+    cuts = sorted(shar.glob("cuts.*.jsonl.gz"))
+    recs = sorted(shar.glob("recording.*.tar"))
+    return {"cuts_paths": [to_url(p) for p in cuts], "recording_paths": [to_url(p) for p in recs]}
+
+
+def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_list: list[int], repeats: int,
+               common_kw: dict[str, dict], jsonl) -> dict[tuple[str, str, int], list[dict]]:
+    """Every (tool, storage, workers) `repeats` times; repeats outermost so noise spreads over all tools."""
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    for rep in range(repeats):
+        for storage in storages:
+            for workers in workers_list:
+                for tool in tools:
+                    script, func = RUNNERS[tool]
+                    kw = {**targets.kw[(tool, storage)], **common_kw.get(tool, {}), "workers": workers}
+                    t0 = time.perf_counter()
+                    r = common.run_isolated(script, func, kw, env=targets.env)
+                    r.update(tool=tool, storage=storage, workers=workers, rep=rep)
+                    runs.setdefault((tool, storage, workers), []).append(r)
+                    jsonl.write(common.json_line(r) + "\n")
+                    jsonl.flush()
+                    log.info("%-10s %-5s w=%d rep %d: %8.1f audio-s/s  pad %.2f  first %.2f s  rss %.0f MB (%.0f s)",
+                             tool, storage, workers, rep, r["audio_s_per_s"], r["padding_efficiency"] or 0,
+                             r["first_batch_s"], r["peak_rss_mb"], time.perf_counter() - t0)
+    return runs
+
+
+def decode_limit(ds: Path, repeats: int, jsonl) -> dict:
+    runs = []
+    for rep in range(repeats):
+        r = common.run_isolated("bench_loader", "run_decode_limit",
+                                {"paths": common.shard_paths(ds), "processes": os.cpu_count() or 1})
+        r.update(tool="decode-limit", storage="local", rep=rep)
+        jsonl.write(common.json_line(r) + "\n")
+        log.info("decode-limit rep %d: %.1f audio-s/s", rep, r["audio_s_per_s"])
+        runs.append(r)
+    return {"runs": runs, **common.aggregate(runs)}
+
+
+def rows_for_table(runs: dict, limit: dict) -> tuple[list[dict], list[dict]]:
+    """(formatted table rows, JSON summary rows) with ratios against shardtrain of the same storage/workers."""
+    table, summary = [], []
+    lim = limit["audio_s_per_s"]["median"]
+    for (tool, storage, workers), rs in runs.items():
+        agg = common.aggregate(rs)
+        ref = common.aggregate(runs.get(("shardtrain", storage, workers), rs))
+        st = ref["audio_s_per_s"]["median"]
+        me = agg["audio_s_per_s"]["median"]
+        row = {"tool": tool, "storage": storage, "workers": workers, "runs": len(rs), **agg,
+               "vs_shardtrain": common.ratio(me, st), "shardtrain_over_tool": common.ratio(st, me),
+               "of_decode_limit": common.ratio(me, lim)}
+        summary.append(row)
+        table.append({"tool": tool, "storage": storage, "workers": workers, "runs": len(rs),
+                      "audio": common.fmt_stat(agg["audio_s_per_s"]), "samples": common.fmt_stat(agg["samples_per_s"]),
+                      "pad": common.fmt_stat(agg["padding_efficiency"], 2),
+                      "batch_s": common.fmt_stat(agg["batch_audio_s"]),
+                      "first": common.fmt_stat(agg["first_batch_s"], 2), "rss": common.fmt_stat(agg["peak_rss_mb"]),
+                      "st_over": f"{row['shardtrain_over_tool']:.2f}" if row["shardtrain_over_tool"] else "-",
+                      "limit": f"{row['of_decode_limit']:.0%}" if row["of_decode_limit"] else "-"})
+    table.append({"tool": "decode-limit", "storage": "local", "workers": f"{os.cpu_count()} procs",
+                  "runs": len(limit["runs"]), "audio": common.fmt_stat(limit["audio_s_per_s"]),
+                  "samples": common.fmt_stat(limit["samples_per_s"]), "pad": "-", "batch_s": "-", "first": "-",
+                  "rss": common.fmt_stat(limit["peak_rss_mb"]), "st_over": "-", "limit": "100%"})
+    return table, summary
+
+
+COLUMNS = [("tool", "loader"), ("storage", "storage"), ("workers", "workers"), ("runs", "runs"),
+           ("audio", "audio-s/s"), ("samples", "samples/s"), ("pad", "padding eff."),
+           ("batch_s", "audio s / batch"), ("first", "first batch s"),
+           ("rss", "peak RSS MB"), ("st_over", "shardtrain / this"), ("limit", "of decode limit")]
+
+
+def wds_batch_size(ds: Path, max_batch_seconds: float) -> int:
+    """Fixed batch size holding, on average, the audio of one shardtrain batch (same work per step)."""
+    return max(1, round(max_batch_seconds / common.dataset_summary(ds)["mean_duration_s"]))
+
+
+def main(args: argparse.Namespace) -> dict:
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = common.prepare_corpus(work, args.utterances, kind=args.corpus, seed=args.seed)
+    ds = common.prepare_dataset(work, corpus, shard_mb=args.shard_mb)
+    info = common.dataset_summary(ds)
+    bs = wds_batch_size(ds, args.max_batch_seconds)
+    log.info("dataset %s: %s; webdataset batch size %d", ds, info, bs)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    with open(out_dir / "bench_loader.jsonl", "w") as jsonl:
+        limit = decode_limit(ds, args.repeats, jsonl)
+        targets = Targets(ds, args.storage, work)
+        try:
+            runs = run_matrix(targets, ["shardtrain", "webdataset"], args.storage, args.workers, args.repeats,
+                              {"shardtrain": {"max_batch_seconds": args.max_batch_seconds, "seed": args.seed},
+                               "webdataset": {"batch_size": bs, "seed": args.seed}}, jsonl)
+        finally:
+            targets.close()
+    table, summary = rows_for_table(runs, limit)
+    md = common.markdown_table(table, COLUMNS)
+    result = {"benchmark": "bench_loader", "git_sha": common.git_sha(), "machine": common.machine(),
+              "config": {**vars(args), "webdataset_batch_size": bs}, "dataset": info,
+              "decode_limit": {k: v for k, v in limit.items() if k != "runs"}, "rows": summary,
+              "total_wall_s": round(time.perf_counter() - t_all, 1)}
+    common.write_json(out_dir / "bench_loader.json", result)
+    (out_dir / "bench_loader.md").write_text(md + "\n")
+    print(md)
+    print(common.json_line({"git_sha": result["git_sha"], "config": result["config"],
+                            "rows": [{k: r[k] for k in ("tool", "storage", "workers", "vs_shardtrain",
+                                                        "of_decode_limit")} | {"audio_s_per_s": r["audio_s_per_s"]
+                                                                               ["median"]} for r in summary]}))
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--utterances", type=int, default=4000, help="corpus size (>= 4,000 for the issue's figures)")
+    ap.add_argument("--corpus", choices=["speech", "tone"], default="speech", help="espeak-ng speech or tones")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts")
+    ap.add_argument("--storage", nargs="+", choices=["local", "s3"], default=["local", "s3"])
+    ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (median and min-max reported)")
+    ap.add_argument("--max-batch-seconds", type=float, default=300.0, help="shardtrain budget; sets wds batch size")
+    ap.add_argument("--shard-mb", type=float, default=16.0, help="pack target shard size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work-dir", default=str(common.DEFAULT_WORK_DIR), help="cache of corpus and packed data")
+    ap.add_argument("--out-dir", default=None, help="JSON / Markdown output folder")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 400 utterances, 4 MB shards, workers 0 and 2")
+    args = ap.parse_args(argv)
+    if args.out_dir is None:  # a smoke run never overwrites the published results
+        args.out_dir = str(common.BENCH_DIR / "results" / ("quick" if args.quick else ""))
+    if args.quick:
+        args.utterances, args.workers, args.shard_mb = min(args.utterances, 400), [0, 2], 4.0
+    return args
+
+
+if __name__ == "__main__":
+    common.setup_logging()
+    main(parse_args())
