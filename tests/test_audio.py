@@ -38,12 +38,14 @@ def corr(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(a[:n], b[:n])[0, 1])
 
 
+# the Opus encoder only takes 8/12/16/24/48 kHz, so 22.05 and 44.1 kHz are not Opus cases
+RATE_CASES = [(c, r) for c in ("wav", "flac", "opus", "mp3") for r in (8000, 22050, 44100, 48000)
+              if not (c == "opus" and r in (22050, 44100))]
+
+
 @pytest.mark.parametrize("channels", [1, 2])
-@pytest.mark.parametrize("rate_hz", [8000, 22050, 44100, 48000])
-@pytest.mark.parametrize("codec", ["wav", "flac", "opus", "mp3"])
+@pytest.mark.parametrize("codec,rate_hz", RATE_CASES)
 def test_probe_formats_rates_channels(tmp_path, codec, rate_hz, channels):
-    if codec == "opus" and rate_hz in (22050, 44100):
-        pytest.skip("the Opus encoder only takes 8/12/16/24/48 kHz")
     x = tone(0.7, rate_hz, channels)
     info = probe(str(write(tmp_path / f"a.{codec}", x, rate_hz)))
     assert info == AudioInfo(duration_s=len(x) / rate_hz, sample_rate_hz=rate_hz, num_samples=len(x),
