@@ -113,11 +113,7 @@ class ChunkReader:
         if self.cache is not None:
             url = self.cache.path(self.ds, shard, lambda: storage.read_range(url, 0, None, so, **kw))
             so = None
-        try:
-            return storage.read_range(url, start, end, so, **kw)
-        except EOFError:
-            have = storage.size(url, so)
-            return storage.read_range(url, start, min(end, have), so, **kw) if have > start else b""
+        return storage.read_range(url, start, end, so, allow_short=True, **kw)
 
     def _decode(self, buf: memoryview, base: int, row: int) -> tuple[str, str, np.ndarray | None, str | None, float, float]:
         """(key, text, int16 mono wave or None, error or None, parse s, decode s) of one row of a run's bytes.

@@ -169,20 +169,22 @@ def read_range(
     piece_bytes: int = 8 << 20,
     backoff_s: float = 0.2,
     max_backoff_s: float = 10.0,
+    allow_short: bool = False,
 ) -> bytes:
     """Bytes `[start, end)` of `url` (to the end of the object when `end` is None).
 
     Reads `piece_bytes` at a time. A transient error (anything but `PERMANENT_ERRORS`) is retried up to `retries`
     times in a row with exponential backoff (`backoff_s * 2**k`, capped), resuming at the first byte not yet
     read; the retry count resets whenever a piece arrives. Costs one request per piece: 8 MB pieces keep the
-    per-request overhead (~1-5 ms on loopback S3) under 1% of transfer time.
+    per-request overhead (~1-5 ms on loopback S3) under 1% of transfer time. An object shorter than `end`
+    raises EOFError, or with `allow_short` returns the bytes that exist (a truncated shard keeps its head).
     """
     fs, path = fs_and_path(url, storage_options)
     if end is None:
         end = _with_retry(lambda: int(fs.size(path)), url, retries, backoff_s, max_backoff_s)
     if start < 0 or end < start:
         raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
-    out = bytearray()
+    pieces: list[bytes] = []
     pos = start
     failures = 0
     while pos < end:
@@ -200,11 +202,13 @@ def read_range(
             time.sleep(delay)
             continue
         if not piece:
+            if allow_short:
+                break
             raise EOFError(f"{url}: object ended at byte {pos}, expected {end}")
-        out += piece
+        pieces.append(piece)
         pos += len(piece)
         failures = 0
-    return bytes(out)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one copy at most
 
 
 def _with_retry(fn, url, retries: int, backoff_s: float, max_backoff_s: float):
