@@ -53,22 +53,26 @@ def run_shardtrain(url: str, workers: int, max_batch_seconds: float, seed: int =
 
 def _wds_decode(sample: dict):
     import soundfile as sf
-    import torch
 
     wave, _ = sf.read(io.BytesIO(sample["flac"]), dtype="float32")
     text = json.loads(sample["json"]).get("text", "")  # shardtrain parses the json too
-    return torch.from_numpy(wave), text
+    return wave, text
 
 
 def _pad(items: list):
-    """webdataset's collation: float32 [B, T] zero-padded + lengths."""
+    """float32 [B, T] zero-padded + lengths, padded in numpy like shardtrain does.
+
+    Not torch slice assignment: in the main process (num_workers=0) torch's intra-op threads made that 10x
+    slower on 2 busy cores (3.1 s for 5 batches), which would charge webdataset for our collate, not its own.
+    """
+    import numpy as np
     import torch
 
-    lengths = torch.tensor([len(w) for w, _ in items], dtype=torch.int64)
-    out = torch.zeros(len(items), int(lengths.max()), dtype=torch.float32)
+    lengths = np.array([len(w) for w, _ in items], dtype=np.int64)
+    out = np.zeros((len(items), int(lengths.max())), dtype=np.float32)
     for i, (w, _) in enumerate(items):
         out[i, :len(w)] = w
-    return out, lengths
+    return torch.from_numpy(out), torch.from_numpy(lengths)
 
 
 def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0, shuffle_buffer: int = 1000) -> dict:
@@ -201,15 +205,21 @@ def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_
 
 
 def decode_limit(ds: Path, repeats: int, jsonl) -> dict:
-    runs = []
+    """The decode-only limit with one process per core, and with one process: their ratio is the number of cores
+    this run really had (about 1.0 means other load took the second core, and every figure is halved)."""
+    runs, single = [], []
     for rep in range(repeats):
-        r = common.run_isolated("bench_loader", "run_decode_limit",
-                                {"paths": common.shard_paths(ds), "processes": os.cpu_count() or 1})
-        r.update(tool="decode-limit", storage="local", rep=rep)
-        jsonl.write(common.json_line(r) + "\n")
-        log.info("decode-limit rep %d: %.1f audio-s/s", rep, r["audio_s_per_s"])
-        runs.append(r)
-    return {"runs": runs, **common.aggregate(runs)}
+        for procs, into in ((os.cpu_count() or 1, runs), (1, single)):
+            r = common.run_isolated("bench_loader", "run_decode_limit", {"paths": common.shard_paths(ds),
+                                                                         "processes": procs})
+            r.update(tool="decode-limit" if into is runs else "decode-1proc", storage="local", rep=rep)
+            jsonl.write(common.json_line(r) + "\n")
+            log.info("%s rep %d: %.1f audio-s/s", r["tool"], rep, r["audio_s_per_s"])
+            into.append(r)
+    out = {"runs": runs, **common.aggregate(runs), "one_process": common.aggregate(single)}
+    one = out["one_process"]["audio_s_per_s"]["median"]
+    out["effective_cores"] = common.ratio(out["audio_s_per_s"]["median"], one)
+    return out
 
 
 def rows_for_table(runs: dict, limit: dict) -> tuple[list[dict], list[dict]]:
@@ -236,6 +246,11 @@ def rows_for_table(runs: dict, limit: dict) -> tuple[list[dict], list[dict]]:
                   "runs": len(limit["runs"]), "audio": common.fmt_stat(limit["audio_s_per_s"]),
                   "samples": common.fmt_stat(limit["samples_per_s"]), "pad": "-", "batch_s": "-", "first": "-",
                   "rss": common.fmt_stat(limit["peak_rss_mb"]), "st_over": "-", "limit": "100%"})
+    one = limit["one_process"]
+    table.append({"tool": "decode, 1 process", "storage": "local", "workers": "1 proc", "runs": one["audio_s_per_s"]["n"],
+                  "audio": common.fmt_stat(one["audio_s_per_s"]), "samples": common.fmt_stat(one["samples_per_s"]),
+                  "pad": "-", "batch_s": "-", "first": "-", "rss": common.fmt_stat(one["peak_rss_mb"]), "st_over": "-",
+                  "limit": f"{common.ratio(one['audio_s_per_s']['median'], lim):.0%}" if lim else "-"})
     return table, summary
 
 
@@ -275,7 +290,7 @@ def main(args: argparse.Namespace) -> dict:
     result = {"benchmark": "bench_loader", "git_sha": common.git_sha(), "machine": common.machine(),
               "config": {**vars(args), "webdataset_batch_size": bs}, "dataset": info,
               "decode_limit": {k: v for k, v in limit.items() if k != "runs"}, "rows": summary,
-              "total_wall_s": round(time.perf_counter() - t_all, 1)}
+              "effective_cores": limit["effective_cores"], "total_wall_s": round(time.perf_counter() - t_all, 1)}
     common.write_json(out_dir / "bench_loader.json", result)
     (out_dir / "bench_loader.md").write_text(md + "\n")
     print(md)

@@ -15,7 +15,7 @@
 
 S3 access: shardtrain reads s3:// through s3fs; webdataset and lhotse have no s3 reader of their own here, so they
 get presigned http URLs of the same objects (webdataset's curl handler; lhotse via `pipe:curl`). Budget: ~4,000
-utterances x 3 tools x 2 storages x 3 runs take ~4-6 min on 2 quiet cores once the inputs are cached; the first
+utterances x 3 tools x 2 storages x 5 runs take ~5 min on 2 quiet cores once the inputs are cached; the first
 run adds ~2 min of espeak-ng, ~1 min of packing and ~1-2 min of Shar export. Run:
 
     .venv/bin/python benchmarks/compare.py                    # the full comparison (< 15 min on 2 cores)
@@ -125,9 +125,10 @@ def plot(summary: list[dict], limit: dict, path: Path, title: str) -> None:
             ax.axhline(limit["audio_s_per_s"]["median"], color="k", ls="--", lw=1, label="decode-only limit")
         ax.set_xticks(range(len(storages)), storages)
         ax.set_title(label)
-    axes[0].legend(fontsize=8, loc="lower left")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -164,7 +165,8 @@ def main(args: argparse.Namespace) -> dict:
     mach = common.machine()
     head = (f"{info['samples']} utterances ({args.corpus}, {info['audio_hours']} h, {info['shards']} shards), "
             f"{args.workers} workers, max_batch_seconds {args.max_batch_seconds:g} (webdataset batch {bs}), "
-            f"median (min-max) of {args.repeats} runs; {mach['cpus']} CPUs; git {sha}")
+            f"median (min-max) of {args.repeats} runs; {mach['cpus']} CPUs "
+            f"(effective {limit['effective_cores']}: decode limit / one process); git {sha}")
     result = {"benchmark": "compare", "git_sha": sha, "machine": mach,
               "config": {**vars(args), "webdataset_batch_size": bs}, "dataset": info,
               "decode_limit": {k: v for k, v in limit.items() if k != "runs"}, "rows": summary,
@@ -188,7 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers, the same for every tool")
     ap.add_argument("--storage", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=TOOLS)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per tool and storage (median and min-max)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="runs per tool and storage (median and min-max; >= 3; 5 tames a shared machine's noise)")
     ap.add_argument("--max-batch-seconds", type=float, default=300.0,
                     help="audio per batch: shardtrain budget, lhotse max_duration, webdataset batch size")
     ap.add_argument("--shard-mb", type=float, default=16.0, help="pack target shard size (Shar: same shard count)")

@@ -80,8 +80,6 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):  # left by a crash mid-save
             shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # re-saving a step after a restart: replace it atomically below
-            shutil.rmtree(final)
         tmp.mkdir()
     barrier()
     _save(rank_state, tmp / f"rank{rank:05d}.pt")
@@ -97,7 +95,10 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
         meta_path = tmp / "meta.json"
         meta_path.write_text(json.dumps({**meta, "step": step, "world_size": world_size}, indent=1))
         _fsync_file(meta_path)
+        if final.exists():  # the same step saved again after a restart: move the old copy aside first
+            os.replace(final, root / f".tmp-old-{final.name}")
         os.replace(tmp, final)  # the commit point
+        shutil.rmtree(root / f".tmp-old-{final.name}", ignore_errors=True)
         dfd = os.open(root, os.O_RDONLY)
         try:
             os.fsync(dfd)

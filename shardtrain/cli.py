@@ -292,9 +292,9 @@ def _cmd_train(args) -> int:
     except ValueError as e:
         raise SystemExit(f"train: {e}") from None
     # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
-        result = train(cfg, world, resume=args.resume or restarted,
+        result = train(cfg, world, resume=args.resume or attempt > 0, attempt=attempt,
                        storage_options=_parse_storage_options(args.storage_option) or None)
     except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
         raise SystemExit(f"train: {e}") from None

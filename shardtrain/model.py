@@ -67,9 +67,9 @@ class ModelConfig:
 
 
 SIZES: dict[str, ModelConfig] = {
-    # ~1.3M parameters: trains on 2 CPU cores in minutes.
+    # ~2.2M parameters: trains on 2 CPU cores in minutes.
     "tiny": ModelConfig(encoder="conformer", d_model=144, num_layers=4, num_heads=4, conv_kernel=15),
-    # ~40M parameters: a GPU baseline for LibriSpeech-sized corpora.
+    # ~41M parameters: a GPU baseline for LibriSpeech-sized corpora.
     "base": ModelConfig(encoder="conformer", d_model=384, num_layers=12, num_heads=6, conv_kernel=31),
 }
 

@@ -25,7 +25,6 @@ model, optimiser, scheduler and scaler are restored, and augmentation randomness
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -34,6 +33,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,13 +42,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from shardtrain import checkpoint as ckpt
-from shardtrain.augment import AugmentConfig, DeviceAugment
+from shardtrain.augment import AugmentConfig
+from shardtrain.evaluate import Augmenters, Collectives, autocast, evaluate, to_device
 from shardtrain.features import FeatureConfig
 from shardtrain.metrics import MetricsLogger
 from shardtrain.model import ModelConfig, build_model, num_parameters
 from shardtrain.overrides import to_dict
 from shardtrain.stream import StreamConfig, build_loader
-from shardtrain.text import CharVocab, SentencePieceVocab, encode_batch, error_counts, tokenizer_from_json
+from shardtrain.text import CharVocab, SentencePieceVocab, tokenizer_from_json
 from shardtrain.world import World
 
 log = logging.getLogger(__name__)
@@ -158,25 +159,6 @@ def augment_seed(seed: int, epoch: int, step: int, rank: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-class _Dist:
-    """The few collectives the loop needs; no-ops in a single process."""
-
-    def __init__(self, world: World, device: torch.device) -> None:
-        self.on = world.world_size > 1
-        self.device = device
-
-    def sum(self, values: list[float]) -> list[float]:
-        """All-reduce a few scalars (a sync point: one small collective, and a device->host copy)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.on:
-            dist.all_reduce(t)
-        return t.tolist()
-
-    def barrier(self) -> None:
-        if self.on:
-            dist.barrier()
-
-
 def _resolve_device(cfg: TrainConfig, world: World) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -201,78 +183,28 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
 
 
-class _Augmenters:
-    """One DeviceAugment per input sample rate (built on first use, kept on the device)."""
+def _init_process_group(backend: str, world: World, attempt: int) -> None:
+    """env:// initialisation, with the store keys of restart `attempt` under their own prefix.
 
-    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
-        self.cfg, self.device, self._by_rate = cfg, device, {}
-
-    def __call__(self, waves, lengths, rate_hz: int, generator, train: bool):
-        if rate_hz not in self._by_rate:
-            self._by_rate[rate_hz] = DeviceAugment(self.cfg.augment, self.cfg.features, rate_hz).to(self.device)
-        return self._by_rate[rate_hz](waves, lengths, generator, train=train)
-
-
-def _to_device(batch, device: torch.device, tok) -> tuple[torch.Tensor, ...]:
-    """Batch -> (waves, lengths, targets, target_lengths) on device; an empty batch becomes a silent dummy."""
-    if len(batch) == 0:
-        n = batch.sample_rate_hz // 2
-        waves, lengths = torch.zeros(1, n), torch.tensor([n])
-        targets, target_lengths = torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    else:
-        waves, lengths = batch.waves, batch.lengths
-        targets, target_lengths = encode_batch(tok, batch.texts)
-    nb = device.type == "cuda"
-    return (waves.to(device, non_blocking=nb), lengths.to(device, non_blocking=nb),
-            targets.to(device, non_blocking=nb), target_lengths.to(device, non_blocking=nb))
-
-
-def _autocast(cfg: TrainConfig, device: torch.device):
-    if cfg.precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16)
-
-
-def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmenters: _Augmenters,
-             device: torch.device, comm: _Dist, storage_options: dict | None) -> dict:
-    """Validation loss per token, CER and WER over the whole validation set (sums all-reduced across ranks).
-
-    Uses the unwrapped model (no DDP collectives) and features without augmentation. Returns the metrics plus
-    a few (reference, hypothesis) examples from this rank.
+    torchrun restarts keep the agent's TCPStore, so the default group's keys written by the failed attempt are
+    still there: gloo then connects to the dead ranks' ports ("connectFullMesh ... Connection refused"; seen in
+    3 of 4 restarts here), NCCL would read a stale unique id. A per-attempt PrefixStore keeps attempts apart.
     """
-    tc = cfg.train
-    loader = build_loader(tc.val_data_url, world=world, seed=tc.seed, cfg=dataclasses.replace(cfg.stream, epochs=1),
-                          storage_options=storage_options)
-    model.eval()
-    sums = {"loss": 0.0, "tokens": 0.0, "char_errors": 0.0, "chars": 0.0, "word_errors": 0.0, "words": 0.0}
-    examples: list[tuple[str, str]] = []
-    with torch.no_grad():
-        for i, (batch, _) in enumerate(loader):
-            if tc.val_max_batches is not None and i >= tc.val_max_batches:
-                break
-            if len(batch) == 0:
-                continue
-            waves, lengths, targets, target_lengths = _to_device(batch, device, tok)
-            feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, None, train=False)
-            with _autocast(tc, device):
-                loss_sum, outputs, out_lengths = model(feats, feat_lengths, targets, target_lengths)
-            hyps = [tok.decode(ids) for ids in model.decode(outputs, out_lengths)]
-            for k, v in error_counts(batch.texts, hyps).items():
-                sums[k] += v
-            sums["loss"] += float(loss_sum)
-            sums["tokens"] += float(target_lengths.sum())
-            examples.extend(zip(batch.texts, hyps))
-    model.train()
-    keys = list(sums)
-    total = dict(zip(keys, comm.sum([sums[k] for k in keys])))
-    return {"val_loss": total["loss"] / max(total["tokens"], 1.0), "cer": total["char_errors"] / max(total["chars"], 1.0),
-            "wer": total["word_errors"] / max(total["words"], 1.0), "val_chars": int(total["chars"]),
-            "examples": examples[: tc.val_examples]}
+    if attempt == 0:
+        dist.init_process_group(backend, rank=world.rank, world_size=world.world_size)
+        return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the server
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+                          is_master=not agent_store and world.rank == 0, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"shardtrain/attempt{attempt}/", store),
+                            rank=world.rank, world_size=world.world_size)
 
 
-def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options: dict | None = None) -> dict:
+def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options: dict | None = None,
+          attempt: int = 0) -> dict:
     """Train per `cfg` as rank `world.rank`; returns the last metrics. Initialises (and later destroys) the
-    process group itself when world_size > 1 and none exists: gloo on CPU, NCCL on CUDA."""
+    process group itself when world_size > 1 and none exists: gloo on CPU, NCCL on CUDA. `attempt` is
+    torchrun's restart count (TORCHELASTIC_RESTART_COUNT, read by the entry point)."""
     tc = cfg.train
     if not tc.data_url or not tc.out_dir:
         raise ValueError("train.data_url (--data) and train.out_dir (--out) are required")
@@ -282,8 +214,7 @@ def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options
         torch.set_num_threads(tc.cpu_threads)
     own_pg = world.world_size > 1 and not dist.is_initialized()
     if own_pg:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank,
-                                world_size=world.world_size)
+        _init_process_group("nccl" if device.type == "cuda" else "gloo", world, attempt)
     try:
         return _train(cfg, world, device, resume, storage_options)
     finally:
@@ -296,7 +227,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     tc = cfg.train
     out = Path(tc.out_dir)
     ckpt_dir = out / "checkpoints"
-    comm = _Dist(world, device)
+    comm = Collectives(world, device)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     comm.barrier()
@@ -349,12 +280,12 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     loader = build_loader(tc.data_url, world=world, seed=tc.seed, cfg=cfg.stream, state=loader_state,
                           storage_options=storage_options)
     batches = iter(loader)
-    augmenters = _Augmenters(cfg, device)
+    augmenters = Augmenters(cfg, device)
     bar = tqdm(total=tc.max_steps, initial=step, disable=not (world.is_main and tc.progress and sys.stderr.isatty()),
                dynamic_ncols=True)
 
     last: dict = {}
-    acc = {"loss": 0.0, "tokens": 0.0, "audio_s": 0.0, "wait_s": 0.0}
+    acc = {"loss": 0.0, "tokens": 0.0, "audio_s": 0.0, "wait_s": 0.0, "pause_s": 0.0}
     t_interval = time.perf_counter()
     model.train()
     try:
@@ -366,8 +297,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             with torch.random.fork_rng(devices=[]):
                 micro = [next(batches) for _ in range(tc.grad_accum_steps)]
             acc["wait_s"] += time.perf_counter() - t0
-            encoded = [_to_device(b, device, tok) for b, _ in micro]
-            local_tokens = sum(float(e[3].sum()) for e, (b, _) in zip(encoded, micro) if len(b))
+            encoded = [to_device(b, device, tok) for b, _ in micro]
+            local_tokens = float(sum(e[2].numel() for e in encoded))  # shape only: no device sync
             (global_tokens,) = comm.sum([local_tokens])  # the loss denominator: every token of every rank
 
             if global_tokens > 0:
@@ -379,10 +310,13 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                     last_micro = i == tc.grad_accum_steps - 1
                     sync = contextlib.nullcontext() if last_micro or not isinstance(model, DDP) else model.no_sync()
                     with sync:
-                        with _autocast(tc, device):
+                        with autocast(tc, device):
                             loss_sum, _, _ = model(feats, feat_lengths, targets, target_lengths)
                         if len(batch) == 0:
                             loss_sum = loss_sum * 0.0  # dummy forward: joins the all-reduce, adds nothing
+                            log.warning("rank %d: empty batch (epoch %d, batch %d): every sample failed to "
+                                        "decode; joining step %d with a silent dummy", world.rank, batch.epoch,
+                                        batch.step, step + 1)
                         scaler.scale(loss_sum * (world.world_size / global_tokens)).backward()
                     loss_acc += loss_sum.detach().float()
                 if tc.grad_clip_norm > 0:
@@ -403,7 +337,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
 
             if step % tc.log_every_steps == 0 or step == tc.max_steps:
                 loss_g, audio_g, skipped = comm.sum([acc["loss"], acc["audio_s"], float(loader.stats()["skipped"])])
-                elapsed = time.perf_counter() - t_interval
+                elapsed = time.perf_counter() - t_interval - acc["pause_s"]  # validation/checkpoint excluded
                 row = {"step": step, "loss": loss_g / max(acc["tokens"], 1.0), "lr": scheduler.get_last_lr()[0],
                        "audio_s_per_s": audio_g / max(elapsed, 1e-9),
                        "data_wait_pct": 100.0 * acc["wait_s"] / max(elapsed, 1e-9), "skipped": int(skipped),
@@ -418,6 +352,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
 
             val_loss = None
             end = step == tc.max_steps
+            t_pause = time.perf_counter()
             if tc.val_data_url and (end or (tc.val_every_steps and step % tc.val_every_steps == 0)):
                 with torch.random.fork_rng(devices=[]):  # validation must not shift the training RNG streams
                     res = evaluate(raw_model, cfg, world, tok, augmenters, device, comm, storage_options)
@@ -431,8 +366,6 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                 log.info("step %d: val_loss %.4f  CER %.2f%%  WER %.2f%%", step, val_loss, 100 * res["cer"],
                          100 * res["wer"])
                 best_val = min(best_val, val_loss)
-                # timing of the next training interval should not include validation
-                t_interval = time.perf_counter()
 
             if end or (tc.ckpt_every_steps and step % tc.ckpt_every_steps == 0):
                 rank_state = {"rng_cpu": torch.get_rng_state(),
@@ -448,7 +381,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                     meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time()},
                     keep_last=tc.keep_last)
                 last["checkpoint"] = str(path)
-                t_interval = time.perf_counter()
+            acc["pause_s"] += time.perf_counter() - t_pause
 
             # after any checkpoint of this step, so a test can crash right after a save
             if tc.fail_at_step is not None and step == tc.fail_at_step and world.rank == world.world_size - 1:

@@ -1,0 +1,113 @@
+"""What one batch needs on the device, shared by the training step and validation, and validation itself.
+
+    Batch (CPU, pinned) -> to_device (targets via the tokenizer; B=0 -> a silent dummy) -> Augmenters (one
+    DeviceAugment per input rate) -> model under `autocast` -> evaluate: loss, greedy CTC decode, CER/WER sums
+    -> Collectives.sum (one all-reduce) -> per-token loss and error rates over every rank's share of the set.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.augment import DeviceAugment
+from shardtrain.stream import build_loader
+from shardtrain.text import encode_batch, error_counts
+from shardtrain.world import World
+
+if TYPE_CHECKING:
+    from shardtrain.train import RunConfig, TrainConfig
+
+
+class Collectives:
+    """The few collectives the loop needs; no-ops in a single process."""
+
+    def __init__(self, world: World, device: torch.device) -> None:
+        self.on = world.world_size > 1
+        self.device = device
+
+    def sum(self, values: list[float]) -> list[float]:
+        """All-reduce a few scalars (a sync point: one small collective, and a device->host copy)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.on:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.on:
+            dist.barrier()
+
+
+class Augmenters:
+    """One DeviceAugment per input sample rate (built on first use, kept on the device)."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+        self.cfg, self.device, self._by_rate = cfg, device, {}
+
+    def __call__(self, waves, lengths, rate_hz: int, generator, train: bool):
+        if rate_hz not in self._by_rate:
+            self._by_rate[rate_hz] = DeviceAugment(self.cfg.augment, self.cfg.features, rate_hz).to(self.device)
+        return self._by_rate[rate_hz](waves, lengths, generator, train=train)
+
+
+def to_device(batch, device: torch.device, tok) -> tuple[torch.Tensor, ...]:
+    """Batch -> (waves, lengths, targets, target_lengths) on device; an empty batch becomes a silent dummy.
+
+    Targets are encoded on the CPU, so their count (`targets.numel()` before the copy, or the length of the
+    returned targets) never needs a device sync."""
+    if len(batch) == 0:
+        n = batch.sample_rate_hz // 2
+        waves, lengths = torch.zeros(1, n), torch.tensor([n])
+        targets, target_lengths = torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    else:
+        waves, lengths = batch.waves, batch.lengths
+        targets, target_lengths = encode_batch(tok, batch.texts)
+    nb = device.type == "cuda"
+    return (waves.to(device, non_blocking=nb), lengths.to(device, non_blocking=nb),
+            targets.to(device, non_blocking=nb), target_lengths.to(device, non_blocking=nb))
+
+
+def autocast(cfg: TrainConfig, device: torch.device):
+    if cfg.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16)
+
+
+def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmenters: Augmenters,
+             device: torch.device, comm: Collectives, storage_options: dict | None) -> dict:
+    """Validation loss per token, CER and WER over the whole validation set (sums all-reduced across ranks).
+
+    Uses the unwrapped model (no DDP collectives) and features without augmentation. Returns the metrics plus
+    a few (reference, hypothesis) examples from this rank.
+    """
+    tc = cfg.train
+    loader = build_loader(tc.val_data_url, world=world, seed=tc.seed, cfg=dataclasses.replace(cfg.stream, epochs=1),
+                          storage_options=storage_options)
+    model.eval()
+    sums = {"loss": 0.0, "tokens": 0.0, "char_errors": 0.0, "chars": 0.0, "word_errors": 0.0, "words": 0.0}
+    examples: list[tuple[str, str]] = []
+    with torch.no_grad():
+        for i, (batch, _) in enumerate(loader):
+            if tc.val_max_batches is not None and i >= tc.val_max_batches:
+                break
+            if len(batch) == 0:
+                continue
+            waves, lengths, targets, target_lengths = to_device(batch, device, tok)
+            feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, None, train=False)
+            with autocast(tc, device):
+                loss_sum, outputs, out_lengths = model(feats, feat_lengths, targets, target_lengths)
+            hyps = [tok.decode(ids) for ids in model.decode(outputs, out_lengths)]
+            for k, v in error_counts(batch.texts, hyps).items():
+                sums[k] += v
+            sums["loss"] += float(loss_sum)
+            sums["tokens"] += float(target_lengths.sum())
+            examples.extend(zip(batch.texts, hyps))
+    model.train()
+    keys = list(sums)
+    total = dict(zip(keys, comm.sum([sums[k] for k in keys])))
+    return {"val_loss": total["loss"] / max(total["tokens"], 1.0), "cer": total["char_errors"] / max(total["chars"], 1.0),
+            "wer": total["word_errors"] / max(total["words"], 1.0), "val_chars": int(total["chars"]),
+            "examples": examples[: tc.val_examples]}
