@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir)
         sh(exe + ["train", "--data", "s3://demo/train", "--val-data", "s3://demo/val", "--pipeline", "tiny_cpu",
                   "--max-steps", str(args.max_steps), "--out", str(run_dir),
-                  "--set", f"train.val_every_steps={args.val_every}", "--set", "train.progress=false"], env)
+                  "--set", f"train.val_every_steps={args.val_every}", "--set", "train.progress=false",
+                  "--set", "train.cpu_threads=1"], env)
         vals = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         vals = [v for v in vals if "cer" in v]
 

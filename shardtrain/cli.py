@@ -19,6 +19,9 @@ def init_logging(rank: int = 0, verbose: bool = False) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+    # third-party INFO lines ("Found credentials in environment variables", ...) drown ours
+    for noisy in ("aiobotocore", "botocore", "s3fs", "fsspec", "urllib3", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 def _parse_storage_options(pairs: list[str] | None) -> dict:

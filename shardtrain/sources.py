@@ -291,9 +291,8 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
             yield _record_to_item(dict(zip(header, row)), where, base, fs, has_offset)
 
 
-def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Reject]:
-    """One JSON object per line (NeMo keys audio_filepath/text/duration/offset accepted); blank lines skipped."""
-    base = posixpath.dirname(path)
+def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
+    """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject."""
     with _open_text(fs, path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -307,8 +306,19 @@ def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Rej
             if not isinstance(rec, dict):
                 yield Reject(where, where, f"bad_json: line {lineno} is a {type(rec).__name__}, not an object")
                 continue
-            has_offset = any(str(k).lower() in _OFFSET_KEYS for k in rec)
-            yield _record_to_item(rec, where, base, fs, has_offset)
+            yield where, rec
+
+
+def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Reject]:
+    """One JSON object per line (NeMo keys audio_filepath/text/duration/offset accepted); blank lines skipped."""
+    base = posixpath.dirname(path)
+    for got in _json_lines(fs, path):
+        if isinstance(got, Reject):
+            yield got
+            continue
+        where, rec = got
+        has_offset = any(str(k).lower() in _OFFSET_KEYS for k in rec)
+        yield _record_to_item(rec, where, base, fs, has_offset)
 
 
 # ---- LibriSpeech ----------------------------------------------------------------------------------------------
@@ -409,17 +419,8 @@ def _lhotse_cut_items(cut: dict, where: str, seen: set[str]) -> Iterator[Item | 
 def _iter_lhotse(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Reject]:
     """Stream a CutSet `.jsonl[.gz]` with plain json (no lhotse import: faster, and never evaluates anything)."""
     seen: set[str] = set()
-    with _open_text(fs, path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                cut = json.loads(line)
-            except ValueError as e:
-                yield Reject(where, where, f"bad_json: line {lineno}: {e}")
-                continue
-            if not isinstance(cut, dict):
-                yield Reject(where, where, f"bad_json: line {lineno} is not an object")
-                continue
-            yield from _lhotse_cut_items(cut, where, seen)
+    for got in _json_lines(fs, path):
+        if isinstance(got, Reject):
+            yield got
+        else:
+            yield from _lhotse_cut_items(got[1], got[0], seen)
