@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile as sf
+import torch
 
 from shardtrain import storage
 from shardtrain.index import Dataset
@@ -201,7 +202,9 @@ class ChunkReader:
                     np.multiply(w, np.float32(1.0 / 32768.0), out=padded[i, :len(w)], dtype=np.float32)
                 else:
                     padded[i, :len(w)] = w
-            out.append((padded, lengths, keys, texts, np.array(durs, dtype=np.float64)))
+            # from a worker process, a torch tensor crosses to the trainer through shared memory (no pipe copy)
+            pcm = padded if as_float else torch.from_numpy(padded)
+            out.append((pcm, lengths, keys, texts, np.array(durs, dtype=np.float64)))
         timings["batch"] += time.perf_counter() - t0
         return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
 
