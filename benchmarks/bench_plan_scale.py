@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import resource
 import statistics
 import sys
@@ -51,7 +50,7 @@ def synthetic_columns(n: int, seed: int = 0) -> dict[str, np.ndarray]:
         offset[m] = np.cumsum(size[m]) - size[m]
     return {"shard": shard.astype(np.int32), "offset": offset, "size": size, "audio_offset": offset + 512,
             "audio_size": audio_size, "json_offset": offset + 512 + pad(audio_size) + 512, "json_size": json_size,
-            "duration_s": dur}
+            "duration_s": dur, "num_samples": (dur * 16000).astype(np.int64), "channels": np.ones(n, np.int16)}
 
 
 def plan_scale_one(n: int, world_sizes: list[int], max_batch_seconds: float, repeats: int) -> dict:
@@ -168,7 +167,10 @@ def main(args: argparse.Namespace) -> dict:
         [("what", f"read index.parquet, {idx_read['rows']:,} rows ({idx_read['parquet_mb']} MB on disk)"),
          ("s", "seconds"), ("mb", "Arrow MB in memory")])
     t3 = common.markdown_table(
-        [{**r, "utterances": f"{r['utterances']:,}"} for r in audio_rows],
+        [{**r, "utterances": f"{r['utterances']:,}", "audio_seconds": f"{r['audio_seconds']:,.0f}",
+          "audio_s_per_s": f"{r['audio_s_per_s']:,.0f}", "samples_per_s": f"{r['samples_per_s']:,.0f}",
+          "padding_efficiency": f"{r['padding_efficiency']:.2f}", "first_batch_s": f"{r['first_batch_s']:.2f}",
+          "peak_rss_mb": f"{r['peak_rss_mb']:,.0f}"} for r in audio_rows],
         [("utterances", "utterances"), ("audio_seconds", "audio s"), ("audio_s_per_s", "audio-s/s"),
          ("samples_per_s", "samples/s"), ("padding_efficiency", "padding eff."), ("first_batch_s", "first batch s"),
          ("peak_rss_mb", "peak RSS MB")])

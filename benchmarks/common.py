@@ -136,11 +136,11 @@ def run_isolated(script: str, func: str, kwargs: dict, *, env: dict | None = Non
 
 
 def time_batches(batches, *, sample_rate_hz: int, t_start: float, rss) -> dict:
-    """Drain an iterator of (waves [B, T] float32, lengths [B]) and time it like shardtrain.bench does."""
+    """Drain an iterator of (waves [B, T] float32, lengths [B], ...) and time it like shardtrain.bench does."""
     samples = n_batches = 0
     real = padded = 0
     first_batch_s = None
-    for waves, lengths in batches:
+    for waves, lengths, *_ in batches:
         if first_batch_s is None:
             first_batch_s = time.perf_counter() - t_start
         n_batches += 1

@@ -65,14 +65,14 @@ def prepare_shar(work_dir: Path, corpus: Path, num_shards: int) -> Path:
 
 
 class PaddedAudio:
-    """The minimal lhotse dataset: a CutSet batch -> (float32 [B, T] zero-padded, lengths), like the others."""
+    """The minimal lhotse dataset: a CutSet batch -> (float32 [B, T] zero-padded, lengths, texts), like the others."""
 
     def __getitem__(self, cuts):
         from lhotse.dataset.collation import collate_audio
 
         audio, lengths = collate_audio(cuts)
-        _texts = [c.supervisions[0].text if c.supervisions else "" for c in cuts]
-        return audio, lengths
+        texts = [c.supervisions[0].text if c.supervisions else "" for c in cuts]
+        return audio, lengths, texts
 
 
 def run_lhotse(cuts_paths: list[str], recording_paths: list[str], workers: int, max_duration_s: float,
@@ -149,10 +149,9 @@ def main(args: argparse.Namespace) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     tools = [t for t in TOOLS if t in args.tools]
     with open(out_dir / "compare.jsonl", "w") as jsonl:
-        limit = bench_loader.decode_limit(ds, args.repeats, jsonl)
         targets = bench_loader.Targets(ds, args.storage, work, shar=shar)
         try:
-            runs = bench_loader.run_matrix(
+            runs, limit = bench_loader.run_matrix(
                 targets, tools, args.storage, [args.workers], args.repeats,
                 {"shardtrain": {"max_batch_seconds": args.max_batch_seconds, "seed": args.seed},
                  "webdataset": {"batch_size": bs, "seed": args.seed},

@@ -218,6 +218,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0: threads only)")
     p.add_argument("--decode-threads", type=int, default=2, help="decode threads per process (default 2)")
+    p.add_argument("--pcm-dtype", choices=("float32", "int16"), default="float32",
+                   help="batch dtype; int16 halves host memory traffic and converts on the device")
     p.add_argument("--max-batch-seconds", type=float, default=300.0, help="audio seconds per batch (default 300)")
     p.add_argument("--max-batch-size", type=int, default=None, help="utterances per batch cap")
     p.add_argument("--world-size", type=int, default=1, help="simulated world size (default 1)")
@@ -242,7 +244,8 @@ def _cmd_bench(args) -> int:
 
     stream = StreamConfig(
         bucket=BucketConfig(max_batch_seconds=args.max_batch_seconds, max_batch_size=args.max_batch_size),
-        num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir)
+        num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir,
+        pcm_dtype=args.pcm_dtype)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
                         device=args.device, augment=args.augment)
     out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,

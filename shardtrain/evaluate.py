@@ -66,7 +66,10 @@ def to_device(batch, device: torch.device, tok) -> tuple[torch.Tensor, ...]:
         waves, lengths = batch.waves, batch.lengths
         targets, target_lengths = encode_batch(tok, batch.texts)
     nb = device.type == "cuda"
-    return (waves.to(device, non_blocking=nb), lengths.to(device, non_blocking=nb),
+    waves = waves.to(device, non_blocking=nb)
+    if waves.dtype == torch.int16:  # stream.pcm_dtype="int16": half the host bytes, converted on the device
+        waves = waves.float().mul_(1.0 / 32768.0)
+    return (waves, lengths.to(device, non_blocking=nb),
             targets.to(device, non_blocking=nb), target_lengths.to(device, non_blocking=nb))
 
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PLAN_COLUMNS = ("shard", "offset", "size", "audio_offset", "audio_size", "json_offset", "json_size", "duration_s")
+PLAN_COLUMNS = ("shard", "offset", "size", "audio_offset", "audio_size", "json_offset", "json_size", "duration_s",
+                "num_samples", "channels")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +69,7 @@ class BucketConfig:
 
 @dataclass(frozen=True, slots=True)
 class PlanIndex:
-    """The numeric index columns planning and reading need (~40 bytes a row; texts and keys stay on disk)."""
+    """The numeric index columns planning and reading need (~70 bytes a row; texts and keys stay on disk)."""
 
     shard: np.ndarray  # int32
     offset: np.ndarray  # int64, first tar header of the sample
@@ -78,6 +79,8 @@ class PlanIndex:
     json_offset: np.ndarray  # int64
     json_size: np.ndarray  # int64
     duration_s: np.ndarray  # float64
+    num_samples: np.ndarray  # int64, so a reader can allocate a batch before decoding into it
+    channels: np.ndarray  # int16
 
     @classmethod
     def from_table(cls, table) -> "PlanIndex":
@@ -86,7 +89,8 @@ class PlanIndex:
             shard=col("shard", np.int32), offset=col("offset", np.int64), size=col("size", np.int64),
             audio_offset=col("audio_offset", np.int64), audio_size=col("audio_size", np.int64),
             json_offset=col("json_offset", np.int64), json_size=col("json_size", np.int64),
-            duration_s=col("duration_s", np.float64),
+            duration_s=col("duration_s", np.float64), num_samples=col("num_samples", np.int64),
+            channels=col("channels", np.int16),
         )
 
     def __len__(self) -> int:

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import soundfile as sf
@@ -105,8 +105,8 @@ class ChunkReader:
         self.cache = (ShardCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
                       if cfg.cache_dir and not storage.is_local(ds.url) else None)
 
-    def _read(self, shard: int, start: int, end: int) -> bytes:
-        """Bytes [start, end) of a shard; short when the shard is truncated. Raises OSError after retries."""
+    def _pieces(self, shard: int, start: int, end: int) -> Iterator[bytes]:
+        """Bytes [start, end) of a shard in pieces; ends early when the shard is truncated; OSError after retries."""
         url = self.ds.shard_url(shard)
         so = self.ds.storage_options
         kw = dict(retries=self.cfg.retries, piece_bytes=int(self.cfg.piece_mb * (1 << 20)),
@@ -114,74 +114,104 @@ class ChunkReader:
         if self.cache is not None:
             url = self.cache.path(self.ds, shard, lambda: storage.read_range(url, 0, None, so, **kw))
             so = None
-        return storage.read_range(url, start, end, so, allow_short=True, **kw)
+        return storage.iter_range(url, start, end, so, allow_short=True, **kw)
 
-    def _decode(self, buf: memoryview, base: int, row: int) -> tuple[str, str, np.ndarray | None, str | None, float, float]:
-        """(key, text, int16 mono wave or None, error or None, parse s, decode s) of one row of a run's bytes.
+    def _decode(self, buf: memoryview, base: int, have: int, row: int, out: np.ndarray) -> tuple:
+        """Decode one row of a run's bytes straight into `out` (its zeroed row of the padded batch).
 
-        The key comes from the ustar header just before the audio data, which also checks that the index
-        offsets match the shard (a stale or foreign index would otherwise feed wrong audio silently).
+        Returns (key, text, samples written, error or None, parse s, decode s). The key comes from the ustar
+        header just before the audio data, which also checks that the index offsets match the shard (a stale
+        or foreign index would otherwise feed wrong audio silently). Decoding into the batch row saves the
+        int16 intermediate and a copy: libsndfile converts to the batch dtype itself.
         """
         t0 = time.perf_counter()
         idx = self.idx
         a0, a_len = int(idx.audio_offset[row]) - base, int(idx.audio_size[row])
         j0, j_len = int(idx.json_offset[row]) - base, int(idx.json_size[row])
         key, text = f"row{row}", ""
-        if a0 < 512 or a0 + a_len > len(buf) or j0 + j_len > len(buf):
-            return key, text, None, "truncated_shard: sample bytes past the end of the shard", 0.0, 0.0
+        if a0 < 512 or a0 + a_len > have or j0 + j_len > have:
+            return key, text, 0, "truncated_shard: sample bytes past the end of the shard", 0.0, 0.0
         name = bytes(buf[a0 - 512:a0 - 412]).split(b"\0", 1)[0].decode("utf-8", "replace")
         if "." not in name:
-            return key, text, None, f"index_mismatch: no tar member header at byte {a0 + base - 512}", 0.0, 0.0
+            return key, text, 0, f"index_mismatch: no tar member header at byte {a0 + base - 512}", 0.0, 0.0
         key = name.rsplit(".", 1)[0]
         try:
             text = str(json.loads(bytes(buf[j0:j0 + j_len])).get("text", ""))
         except (ValueError, AttributeError) as e:
-            return key, text, None, f"bad_json: {e}", 0.0, 0.0
+            return key, text, 0, f"bad_json: {e}", 0.0, 0.0
         t1 = time.perf_counter()
+        want = len(out)
         try:
-            wave, _ = sf.read(io.BytesIO(buf[a0:a0 + a_len]), dtype="int16", always_2d=True)
+            with sf.SoundFile(io.BytesIO(buf[a0:a0 + a_len])) as f:
+                if f.channels == 1:
+                    got = len(f.read(want, dtype=out.dtype.name, out=out))
+                else:  # downmix: average the channels
+                    multi = f.read(want, dtype="float32", always_2d=True)
+                    mono = multi.mean(axis=1)
+                    got = len(mono)
+                    out[:got] = mono if out.dtype == np.float32 else np.round(mono * 32767).astype(out.dtype)
         except Exception as e:  # noqa: BLE001 - libsndfile raises several types for corrupt audio
-            return key, text, None, f"decode_error: {type(e).__name__}: {e}", t1 - t0, 0.0
-        wave = wave[:, 0] if wave.shape[1] == 1 else wave.mean(axis=1).astype(np.int16)
+            return key, text, 0, f"decode_error: {type(e).__name__}: {e}", t1 - t0, 0.0
         t2 = time.perf_counter()
-        if len(wave) == 0:
-            return key, text, None, "decode_error: no samples", t1 - t0, t2 - t1
-        return key, text, wave, None, t1 - t0, t2 - t1
+        if got < want:
+            return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated audio)", t1 - t0, t2 - t1
+        return key, text, got, None, t1 - t0, t2 - t1
 
     def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, as_float: bool) -> ChunkBatches:
         """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
 
-        `as_float` pads straight into float32 (in-process loading: the main thread then only wraps the array);
-        worker processes keep int16, half the bytes through the DataLoader pipe, converted by the main process.
+        Batches are allocated up front from the index's sample counts and each row decodes straight into its
+        slot, as soon as the piece holding its bytes has arrived (decoding overlaps the rest of the transfer).
+        `as_float` decodes to float32 (in-process: the trainer gets the array as is); worker processes use
+        int16, half the bytes through shared memory, converted by the main process.
         """
         idx, errors = self.idx, []
         timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
         wanted = chunk.batches[skip_batches:]
-        rows = np.sort(np.concatenate(wanted)) if sum(map(len, wanted)) else np.zeros(0, np.int64)
-        decoded: dict[int, tuple] = {}
+        dtype = np.float32 if as_float else np.int16
+        t0 = time.perf_counter()
+        padded = [np.zeros((len(b), int(idx.num_samples[b].max()) if len(b) else 0), dtype) for b in wanted]
+        slot = {int(r): (bi, i) for bi, b in enumerate(wanted) for i, r in enumerate(b)}
+        timings["batch"] += time.perf_counter() - t0
+        rows = np.sort(np.fromiter(slot, np.int64, len(slot)))
+        results: dict[int, tuple] = {}
         futures: list[tuple[int, Future]] = []
         for shard, start, end in _byte_runs(idx, rows):
             run_rows = rows[(idx.shard[rows] == shard) & (idx.offset[rows] >= start) & (idx.offset[rows] < end)]
+            ends = idx.offset[run_rows] + idx.size[run_rows] - start
+            buf = bytearray(end - start)
+            view = memoryview(buf)
+            have = nxt = 0
             t0 = time.perf_counter()
             try:
-                buf = memoryview(self._read(shard, start, end))
+                for piece in self._pieces(shard, start, end):
+                    view[have:have + len(piece)] = piece
+                    have += len(piece)
+                    while nxt < len(run_rows) and ends[nxt] <= have:  # this row's bytes are all here
+                        r = int(run_rows[nxt])
+                        bi, i = slot[r]
+                        row_out = padded[bi][i, : int(idx.num_samples[r])]
+                        futures.append((r, self.decode_pool.submit(self._decode, view, start, end - start, r, row_out)))
+                        nxt += 1
             except OSError as e:
                 if self.cfg.strict:
                     raise StreamError(f"shard {self.ds.shards[shard].name}: {e}") from e
-                for r in run_rows:
-                    decoded[int(r)] = (f"row{int(r)}", "", None, f"shard_read_failed: {e}", 0.0, 0.0)
-                continue
+                for r in run_rows[nxt:]:
+                    results[int(r)] = (f"row{int(r)}", "", 0, f"shard_read_failed: {e}", 0.0, 0.0)
+                nxt = len(run_rows)
             finally:
                 timings["read"] += time.perf_counter() - t0
-            futures.extend((int(r), self.decode_pool.submit(self._decode, buf, start, int(r))) for r in run_rows)
+            for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
+                bi, i = slot[int(r)]
+                results[int(r)] = self._decode(view, start, have, int(r), padded[bi][i, :0])
         for r, fut in futures:
-            decoded[r] = fut.result()
+            results[r] = fut.result()
         t0 = time.perf_counter()
         out = []
-        for batch_rows in wanted:
-            waves, keys, texts, durs = [], [], [], []
-            for r in batch_rows:
-                key, text, wave, err, t_parse, t_decode = decoded[int(r)]
+        for bi, batch_rows in enumerate(wanted):
+            keep, lengths, keys, texts, durs = [], [], [], [], []
+            for i, r in enumerate(batch_rows):
+                key, text, n, err, t_parse, t_decode = results[int(r)]
                 timings["parse"] += t_parse
                 timings["decode"] += t_decode
                 if err is not None:
@@ -190,22 +220,16 @@ class ChunkReader:
                         raise StreamError(f"{shard_name} key {key}: {err}")
                     errors.append({"key": key, "shard": shard_name, "reason": err})
                     continue
-                waves.append(wave)
+                keep.append(i)
+                lengths.append(n)
                 keys.append(key)
                 texts.append(text)
                 durs.append(float(idx.duration_s[r]))
-            lengths = np.array([len(w) for w in waves], dtype=np.int64)
-            padded = np.zeros((len(waves), int(lengths.max()) if len(waves) else 0),
-                              dtype=np.float32 if as_float else np.int16)
-            for i, w in enumerate(waves):
-                if as_float:
-                    np.multiply(w, np.float32(1.0 / 32768.0), out=padded[i, :len(w)], dtype=np.float32)
-                else:
-                    padded[i, :len(w)] = w
+            pcm = padded[bi]
+            if len(keep) < len(batch_rows):  # rare: drop failed rows, trim to the longest survivor
+                pcm = np.ascontiguousarray(pcm[keep, : max(lengths, default=0)])
             # from a worker process, a torch tensor crosses to the trainer through shared memory (no pipe copy)
-            pcm = padded if as_float else torch.from_numpy(padded)
-            out.append((pcm, lengths, keys, texts, np.array(durs, dtype=np.float64)))
+            out.append((pcm if as_float else torch.from_numpy(pcm), np.array(lengths, dtype=np.int64), keys, texts,
+                        np.array(durs, dtype=np.float64)))
         timings["batch"] += time.perf_counter() - t0
         return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
-
-

@@ -12,7 +12,8 @@ def fake_index(n: int, seed: int = 0, lo: float = 0.5, hi: float = 20.0, shard_b
     size = (d * 19_200).astype(np.int64) + 2048
     off = np.concatenate([[0], np.cumsum(size)[:-1]])
     return PlanIndex(shard=(off // shard_bytes).astype(np.int32), offset=off, size=size, audio_offset=off + 512,
-                     audio_size=size - 2048, json_offset=off + size - 512, json_size=np.full(n, 100), duration_s=d)
+                     audio_size=size - 2048, json_offset=off + size - 512, json_size=np.full(n, 100), duration_s=d,
+                     num_samples=(d * 16000).astype(np.int64), channels=np.ones(n, np.int16))
 
 
 def all_batches(plan):

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import psutil
 import pytest
+import torch
 
 from shardtrain.index import open_dataset
 from shardtrain.pack import PackConfig, pack
@@ -74,6 +75,14 @@ def test_waves_match_source_audio(dataset, tmp_path):
         got = (batch.waves[i, : batch.lengths[i]].numpy() * 32768).round().astype(np.int16)
         assert np.array_equal(got, ref)
         assert float(batch.waves[i, batch.lengths[i]:].abs().sum()) == 0.0  # zero padding
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_int16_batches_are_the_same_pcm(dataset, workers):
+    ref = next(iter(build_loader(dataset, world=World(), seed=0, cfg=cfg())))[0]
+    got = next(iter(build_loader(dataset, world=World(), seed=0, cfg=cfg(pcm_dtype="int16", num_workers=workers))))[0]
+    assert got.waves.dtype == torch.int16 and got.keys == ref.keys
+    assert torch.equal(got.waves.float() / 32768.0, ref.waves)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
