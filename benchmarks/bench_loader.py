@@ -183,8 +183,11 @@ def _shar_fields(shar: Path, to_url) -> dict:
 
 
 def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_list: list[int], repeats: int,
-               common_kw: dict[str, dict], jsonl) -> tuple[dict[tuple[str, str, int], list[dict]], dict]:
+               common_kw: dict[str, dict], jsonl, tool_workers: dict[str, list[int]] | None = None,
+               ) -> tuple[dict[tuple[str, str, int], list[dict]], dict]:
     """Every (tool, storage, workers) `repeats` times, plus the decode limit once per repeat.
+
+    `tool_workers` overrides `workers_list` per tool (compare.py adds shardtrain's own default, 0 workers).
 
     Repeats are the outer loop and the limit is measured inside it, so slow phases of a shared machine spread
     over every tool and over the ceiling alike instead of landing on one of them.
@@ -199,8 +202,10 @@ def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_
             limit_runs.setdefault(procs, []).append(r)
             _log_run(r, jsonl)
         for storage in storages:
-            for workers in workers_list:
+            for workers in sorted({w for t in tools for w in (tool_workers or {}).get(t, workers_list)}):
                 for tool in tools:
+                    if workers not in (tool_workers or {}).get(tool, workers_list):
+                        continue
                     script, func = RUNNERS[tool]
                     kw = {**targets.kw[(tool, storage)], **common_kw.get(tool, {}), "workers": workers}
                     r = common.run_isolated(script, func, kw, env=targets.env)
@@ -222,13 +227,14 @@ def _log_run(r: dict, jsonl) -> None:
              r.get("padding_efficiency") or 0, r.get("first_batch_s") or 0, r["peak_rss_mb"])
 
 
-def rows_for_table(runs: dict, limit: dict) -> tuple[list[dict], list[dict]]:
-    """(formatted table rows, JSON summary rows) with ratios against shardtrain of the same storage/workers."""
+def rows_for_table(runs: dict, limit: dict, ref_workers: int | None = None) -> tuple[list[dict], list[dict]]:
+    """(formatted table rows, JSON summary rows) with ratios against shardtrain of the same storage and of the
+    same workers, or of `ref_workers` when given (compare.py: shardtrain's default, threads in one process)."""
     table, summary = [], []
     lim = limit["audio_s_per_s"]["median"]
     for (tool, storage, workers), rs in runs.items():
         agg = common.aggregate(rs)
-        ref = common.aggregate(runs.get(("shardtrain", storage, workers), rs))
+        ref = common.aggregate(runs.get(("shardtrain", storage, workers if ref_workers is None else ref_workers), rs))
         st = ref["audio_s_per_s"]["median"]
         me = agg["audio_s_per_s"]["median"]
         row = {"tool": tool, "storage": storage, "workers": workers, "runs": len(rs), **agg,

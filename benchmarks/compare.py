@@ -155,10 +155,12 @@ def main(args: argparse.Namespace) -> dict:
                 targets, tools, args.storage, [args.workers], args.repeats,
                 {"shardtrain": {"max_batch_seconds": args.max_batch_seconds, "seed": args.seed},
                  "webdataset": {"batch_size": bs, "seed": args.seed},
-                 "lhotse": {"max_duration_s": args.max_batch_seconds, "seed": args.seed}}, jsonl)
+                 "lhotse": {"max_duration_s": args.max_batch_seconds, "seed": args.seed}}, jsonl,
+                tool_workers={"shardtrain": sorted({args.workers, 0})})
         finally:
             targets.close()
-    table, summary = bench_loader.rows_for_table(runs, limit)
+    # ratios against shardtrain as shipped (0 workers: decode threads in the training process, same 2 cores)
+    table, summary = bench_loader.rows_for_table(runs, limit, ref_workers=0)
     md = common.markdown_table(table, bench_loader.COLUMNS)
     sha = common.git_sha()
     mach = common.machine()
