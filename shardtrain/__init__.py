@@ -1,13 +1,25 @@
-"""shardtrain: pack speech corpora into length-sorted WebDataset shards, stream them, train, benchmark."""
+"""shardtrain: pack speech corpora into length-sorted WebDataset shards, stream them, train, benchmark.
+
+`shardtrain.pack(PackConfig(...))` and `shardtrain.open_dataset(url)` are the packing API; the loader names are
+imported lazily so `shardtrain pack` and `shardtrain inspect` never pay for torch (~700 MB and ~1 s).
+"""
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
 from shardtrain.index import Dataset, DatasetError, ShardInfo, open_dataset  # noqa: E402
-from shardtrain.pack import PackConfig, PackResult, pack  # noqa: E402
+from shardtrain.pack import PackConfig, PackResult, pack  # noqa: E402  (the function shadows the module name)
 from shardtrain.plan import BucketConfig, plan_epoch  # noqa: E402
-from shardtrain.stream import Batch, Loader, StreamConfig, StreamError, build_loader  # noqa: E402
 from shardtrain.world import World  # noqa: E402
 
-__all__ = [
-    "__version__", "Batch", "BucketConfig", "Dataset", "DatasetError", "Loader", "PackConfig", "PackResult",
-    "ShardInfo", "StreamConfig", "StreamError", "World", "build_loader", "open_dataset", "pack", "plan_epoch",
-]
+_LAZY = {name: "shardtrain.stream" for name in ("Batch", "Loader", "StreamConfig", "StreamError", "build_loader")}
+__all__ = ["__version__", "BucketConfig", "Dataset", "DatasetError", "PackConfig", "PackResult", "ShardInfo",
+           "World", "open_dataset", "pack", "plan_epoch", *sorted(_LAZY)]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")
