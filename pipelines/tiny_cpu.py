@@ -17,7 +17,7 @@ from shardtrain.train import RunConfig, TrainConfig
 
 def config() -> RunConfig:
     return RunConfig(
-        stream=StreamConfig(bucket=BucketConfig(max_batch_seconds=60.0, num_buckets=8, chunk_mb=4.0),
+        stream=StreamConfig(bucket=BucketConfig(max_batch_seconds=60.0, num_buckets=8),
                             decode_threads=2),
         augment=AugmentConfig(reverb=ReverbConfig(p=0.0), noise=NoiseConfig(p=0.3, snr_db=(10.0, 30.0)),
                               gain=GainConfig(p=0.3)),

@@ -222,6 +222,9 @@ def _add_bench(sub) -> None:
                    help="batch dtype; int16 halves host memory traffic and converts on the device")
     p.add_argument("--max-batch-seconds", type=float, default=300.0, help="audio seconds per batch (default 300)")
     p.add_argument("--max-batch-size", type=int, default=None, help="utterances per batch cap")
+    p.add_argument("--batches-per-chunk", type=int, default=1,
+                   help="batches per planned read; more mixes utterances across batches (default 1)")
+    p.add_argument("--prefetch-chunks", type=int, default=2, help="chunks read and decoded ahead (default 2)")
     p.add_argument("--world-size", type=int, default=1, help="simulated world size (default 1)")
     p.add_argument("--rank", type=int, default=0, help="simulated rank (default 0)")
     p.add_argument("--seed", type=int, default=0, help="plan seed (default 0)")
@@ -243,7 +246,9 @@ def _cmd_bench(args) -> int:
     from shardtrain.world import World
 
     stream = StreamConfig(
-        bucket=BucketConfig(max_batch_seconds=args.max_batch_seconds, max_batch_size=args.max_batch_size),
+        bucket=BucketConfig(max_batch_seconds=args.max_batch_seconds, max_batch_size=args.max_batch_size,
+                            batches_per_chunk=args.batches_per_chunk),
+        prefetch_chunks=args.prefetch_chunks,
         num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir,
         pcm_dtype=args.pcm_dtype)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,

@@ -51,7 +51,7 @@ class StreamConfig:
     decode_threads: int = 2
     """Decode threads per process (soundfile releases the GIL)."""
     prefetch_chunks: int = 2
-    """Chunks read and decoded ahead per process; memory ~ prefetch_chunks x chunk_mb x 2 (int16 PCM)."""
+    """Chunks read and decoded ahead per process; memory ~ prefetch_chunks x batches_per_chunk decoded batches."""
     retries: int = 5
     """Retries of a failed read (exponential backoff, resumed at the byte reached) before the chunk is skipped."""
     retry_backoff_s: float = 0.2

@@ -125,3 +125,13 @@ def test_locate():
     assert locate(plan, 0) == (0, 0)
     assert locate(plan, m0) == (1, 0)
     assert locate(plan, plan.steps) == (len(plan.groups), 0)
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_batches_are_nearly_full(world_size):
+    """Chunk counts are chosen per bucket so dealt batches come close to the budget (not 2.1 -> four halves)."""
+    idx = fake_index(20_000)
+    cfg = BucketConfig(max_batch_seconds=300.0)
+    plan = plan_epoch(idx, seed=0, epoch=0, world_size=world_size, cfg=cfg)
+    fill = np.mean([idx.duration_s[b].sum() for b in all_batches(plan)]) / cfg.max_batch_seconds
+    assert fill > 0.85, f"batches only {fill:.0%} full"
