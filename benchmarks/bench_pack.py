@@ -28,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -90,21 +93,12 @@ def run_webdataset(corpus: Path, out: Path, workers: int, target_shard_mb: float
 
 
 def run_lhotse(corpus: Path, out: Path, workers: int, shard_size: int) -> dict:
-    from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
-
     t0 = time.perf_counter()
-    recs, sups = [], []
-    for p in sorted(corpus.glob("*.flac")):
-        rec = Recording.from_file(p)
-        recs.append(rec)
-        sups.append(SupervisionSegment(id=rec.id, recording_id=rec.id, start=0.0, duration=rec.duration,
-                                       text=p.with_suffix(".txt").read_text(encoding="utf-8").strip()))
-    cuts = CutSet.from_manifests(recordings=RecordingSet.from_recordings(recs),
-                                 supervisions=SupervisionSet.from_segments(sups))
+    cuts = common.lhotse_cuts(corpus)
     probe_s = time.perf_counter() - t0
     out.mkdir(parents=True)
     cuts.to_shar(out, fields={"recording": "flac"}, shard_size=shard_size, num_jobs=workers)
-    return {"wall_s": time.perf_counter() - t0, "files": len(recs), "audio_s": sum(r.duration for r in recs),
+    return {"wall_s": time.perf_counter() - t0, "files": len(cuts), "audio_s": sum(c.duration for c in cuts),
             "bytes": _dir_bytes(out), "shards": len(list(out.glob("recording.*.tar"))), "probe_s": probe_s}
 
 

@@ -210,3 +210,17 @@ def json_line(obj: dict) -> str:
 def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+
+
+def lhotse_cuts(corpus: Path):
+    """A lhotse CutSet of a flat corpus folder (`x.flac` + `x.txt`), one supervision per whole recording."""
+    from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
+
+    recs, sups = [], []
+    for p in sorted(Path(corpus).glob("*.flac")):
+        rec = Recording.from_file(p)
+        recs.append(rec)
+        sups.append(SupervisionSegment(id=rec.id, recording_id=rec.id, start=0.0, duration=rec.duration,
+                                       text=p.with_suffix(".txt").read_text(encoding="utf-8").strip()))
+    return CutSet.from_manifests(recordings=RecordingSet.from_recordings(recs),
+                                 supervisions=SupervisionSet.from_segments(sups))

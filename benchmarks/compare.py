@@ -44,22 +44,13 @@ def prepare_shar(work_dir: Path, corpus: Path, num_shards: int) -> Path:
     out = work_dir / f"shar-{corpus.name.removeprefix('corpus-')}-{num_shards}"
     if (out / ".done").exists():
         return out
-    from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
-
     t0 = time.perf_counter()
-    recs, sups = [], []
-    for p in sorted(corpus.glob("*.flac")):
-        rec = Recording.from_file(p)
-        recs.append(rec)
-        sups.append(SupervisionSegment(id=rec.id, recording_id=rec.id, start=0.0, duration=rec.duration,
-                                       text=p.with_suffix(".txt").read_text(encoding="utf-8").strip()))
-    cuts = CutSet.from_manifests(recordings=RecordingSet.from_recordings(recs),
-                                 supervisions=SupervisionSet.from_segments(sups))
+    cuts = common.lhotse_cuts(corpus)
     out.mkdir(parents=True, exist_ok=True)
-    shard_size = -(-len(recs) // max(1, num_shards))
+    shard_size = -(-len(cuts) // max(1, num_shards))
     cuts.to_shar(out, fields={"recording": "flac"}, shard_size=shard_size, num_jobs=os.cpu_count() or 1)
     (out / ".done").write_text("ok\n")
-    log.info("lhotse Shar export %s (%d cuts, %d per shard) in %.1f s", out, len(recs), shard_size,
+    log.info("lhotse Shar export %s (%d cuts, %d per shard) in %.1f s", out, len(cuts), shard_size,
              time.perf_counter() - t0)
     return out
 
