@@ -1,0 +1,38 @@
+"""The comparison benchmark runs end to end (smoke size): every loader, both storages, a table, JSON and a plot.
+
+Speed is not asserted here (benchmarks report it); what is asserted is that each tool really read the whole
+corpus, so a broken peer pipeline or a loader that silently drops samples fails this test.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.s3]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--utterances", "120",
+           "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "compare.json").read_text())
+    n = result["dataset"]["samples"]
+    assert n == 120
+    rows = {(r["tool"], r["storage"], r["workers"]): r for r in result["rows"]}
+    for tool in ("shardtrain", "webdataset", "lhotse"):
+        for storage in ("local", "s3"):
+            assert (tool, storage, 2) in rows, f"missing {tool} on {storage}"
+    assert ("shardtrain", "local", 0) in rows
+    for (tool, storage, workers), r in rows.items():
+        assert r["samples_per_s"]["median"] > 0 and r["audio_s_per_s"]["median"] > 0
+    runs = [json.loads(line) for line in (tmp_path / "out" / "compare.jsonl").read_text().splitlines()]
+    for r in runs:
+        if r["tool"] in ("shardtrain", "webdataset", "lhotse"):
+            assert r["samples"] == n, f"{r['tool']} on {r['storage']} read {r['samples']} of {n} samples"
+    assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
+    assert "| shardtrain |" in (tmp_path / "out" / "compare.md").read_text()
