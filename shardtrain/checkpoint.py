@@ -124,7 +124,11 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
     removed = []
     for _, p in ckpts:
         if p not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            # rename first (atomic): a kill during rmtree must not leave a visible step dir missing its files;
+            # the `.tmp-*` leftover is swept by the next save
+            trash = p.with_name(f".tmp-del-{p.name}")
+            os.replace(p, trash)
+            shutil.rmtree(trash, ignore_errors=True)
             removed.append(p)
     return removed
 
