@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from shardtrain.stream import StreamConfig, build_loader
+from shardtrain.stream import StreamConfig, build_loader, pcm_to_float
 from shardtrain.world import World
 
 
@@ -119,8 +119,8 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
             if bench.device != "cpu":
                 waves = waves.to(bench.device, non_blocking=True)
                 lengths = lengths.to(bench.device, non_blocking=True)
-            if waves.dtype == torch.int16 and (bench.device != "cpu" or aug is not None):
-                waves = waves.float().mul_(1.0 / 32768.0)  # pcm_dtype="int16": on the device, as the trainer does
+            if bench.device != "cpu" or aug is not None:
+                waves = pcm_to_float(waves)  # pcm_dtype="int16": on the device, as the trainer does
             if bench.device != "cpu":
                 torch.cuda.synchronize()
             t2 = time.perf_counter()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.augment import DeviceAugment
-from shardtrain.stream import build_loader
+from shardtrain.stream import build_loader, pcm_to_float
 from shardtrain.text import encode_batch, error_counts
 from shardtrain.world import World
 
@@ -66,9 +66,7 @@ def to_device(batch, device: torch.device, tok) -> tuple[torch.Tensor, ...]:
         waves, lengths = batch.waves, batch.lengths
         targets, target_lengths = encode_batch(tok, batch.texts)
     nb = device.type == "cuda"
-    waves = waves.to(device, non_blocking=nb)
-    if waves.dtype == torch.int16:  # stream.pcm_dtype="int16": half the host bytes, converted on the device
-        waves = waves.float().mul_(1.0 / 32768.0)
+    waves = pcm_to_float(waves.to(device, non_blocking=nb))  # int16 batches: half the host bytes
     return (waves, lengths.to(device, non_blocking=nb),
             targets.to(device, non_blocking=nb), target_lengths.to(device, non_blocking=nb))
 

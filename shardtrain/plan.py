@@ -302,13 +302,3 @@ def consumed_rows(plan: EpochPlan, steps: int) -> np.ndarray:
         if left <= 0:
             break
     return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-
-def locate(plan: EpochPlan, step: int) -> tuple[int, int]:
-    """(group index, batch index inside that group's chunks) of batch number `step` of the epoch."""
-    for gi, g in enumerate(plan.groups):
-        m = len(g[0].batches)
-        if step < m:
-            return gi, step
-        step -= m
-    return len(plan.groups), 0

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from shardtrain.index import Dataset, open_dataset
-from shardtrain.plan import PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, plan_epoch
+from shardtrain.plan import (PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s,
+                             plan_epoch)
 from shardtrain.reader import ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
 
@@ -100,6 +101,12 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def pcm_to_float(waves: torch.Tensor) -> torch.Tensor:
+    """Batch.waves as float32 in [-1, 1): int16 batches (`pcm_dtype="int16"`) are converted where they are,
+    normally on the training device after the copy; float32 ones pass through."""
+    return waves.float().mul_(1.0 / 32768.0) if waves.dtype == torch.int16 else waves
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -200,8 +207,11 @@ class Loader:
         self.cursor = _Cursor(0, 0)
         if state is not None:
             self._load_state(state)
-        self._last_state = self.state_dict()
-        self._too_long_reported: set[int] = set()
+        # the plan leaves out the same utterances every epoch (alone over budget): count them, no re-planning
+        self.too_long_per_epoch = int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum())
+        if self.too_long_per_epoch:
+            log.warning("%d utterances are longer than max_batch_seconds=%g and are left out of every epoch",
+                        self.too_long_per_epoch, cfg.bucket.max_batch_seconds)
 
     # -- state
     def _load_state(self, state: dict) -> None:
@@ -249,22 +259,9 @@ class Loader:
             ds, batch_size=None, num_workers=nw, prefetch_factor=2 if nw else None, persistent_workers=False,
             multiprocessing_context="fork" if nw and os.name == "posix" else None)
 
-    def _note_epoch(self, epoch: int) -> None:
-        if epoch in self._too_long_reported:
-            return
-        self._too_long_reported.add(epoch)
-        plan = epoch_plan(self.idx, self.seed, epoch, self.world.world_size, self.cfg.bucket, self.cursor.chain
-                          if epoch == self.cursor.epoch else ())
-        n = len(plan.too_long)
-        if n:
-            self.counters["too_long"] += n
-            log.warning("epoch %d: %d utterances longer than max_batch_seconds=%g left out",
-                        epoch, n, self.cfg.bucket.max_batch_seconds)
-
     def __iter__(self) -> Iterator[tuple[Batch, dict]]:
         pin = torch.cuda.is_available()
         for item in self.dataloader():
-            self._note_epoch(item.epoch)
             for k, v in item.timings.items():
                 self.stage_s[k] += v
             for e in item.errors:
@@ -289,6 +286,8 @@ class Loader:
                 self.counters["audio_seconds"] += float(durs.sum())
                 self.counters["batches"] += 1
                 chain = self.cursor.chain if item.epoch == self.cursor.epoch else ()
+                if step == 0 and not chain:  # once per epoch (a re-striped epoch counted it before)
+                    self.counters["too_long"] += self.too_long_per_epoch
                 self.cursor = _Cursor(item.epoch, step + 1, chain)
                 yield batch, self.state_dict()
 

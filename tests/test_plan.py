@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 
-from shardtrain.plan import (BucketConfig, PlanIndex, batch_cost, consumed_rows, cost_s, estimate_bins, locate,
-                             plan_epoch)
+from shardtrain.plan import BucketConfig, PlanIndex, batch_cost, consumed_rows, cost_s, estimate_bins, plan_epoch
 
 
 def fake_index(n: int, seed: int = 0, lo: float = 0.5, hi: float = 20.0, shard_bytes: int = 20_000_000) -> PlanIndex:
@@ -116,15 +115,6 @@ def test_restripe_rest_of_epoch_exactly_once():
     rest = np.concatenate(all_batches(new))
     both = np.concatenate([done, rest])
     assert len(both) == len(np.unique(both)) == len(idx) - len(old.too_long)
-
-
-def test_locate():
-    idx = fake_index(2000)
-    plan = plan_epoch(idx, seed=0, epoch=0, world_size=1, cfg=BucketConfig(max_batch_seconds=50.0))
-    m0 = len(plan.groups[0][0].batches)
-    assert locate(plan, 0) == (0, 0)
-    assert locate(plan, m0) == (1, 0)
-    assert locate(plan, plan.steps) == (len(plan.groups), 0)
 
 
 @pytest.mark.parametrize("world_size", [1, 8])

@@ -111,6 +111,18 @@ def test_resume_is_bit_exact(dataset, workers):
         assert rest == full[k:], f"resume after batch {k} differs"
 
 
+def test_too_long_counted_once_per_epoch_across_resume(dataset):
+    bucket = BucketConfig(max_batch_seconds=3.0, chunk_mb=0.05, num_buckets=4)
+    n_long = sum(d > 3.0 for d in DURS)
+    assert n_long > 0
+    full, states, loader = run(dataset, epochs=2, bucket=bucket)
+    assert loader.stats()["too_long"] == 2 * n_long
+    keys = {k for b in full for k in b[0]}
+    assert len(keys) == len(DURS) - n_long
+    _, _, resumed = run(dataset, epochs=2, bucket=bucket, state=states[2])
+    assert resumed.stats()["too_long"] == 2 * n_long, "a resume must not count an epoch's long utterances twice"
+
+
 def test_resume_refuses_foreign_state(dataset):
     _, states, _ = run(dataset, n=2)
     bad = dict(states[-1], dataset="0" * 16)
