@@ -2,7 +2,7 @@
 
     Chunk(rows) -> byte runs (shard, start, end), neighbours within 1 MB merged -> storage.read_range
       (retry + resume at the byte reached; optional whole-shard LRU cache for remote datasets)
-      -> per row: ustar header name check, json text, soundfile decode to int16 mono (thread pool)
+      -> per row: ustar header name check, json text, libsndfile decode into its batch row (thread pool, no GIL)
       -> ChunkBatches: per batch padded PCM [B, T] (float32 in-process, int16 from worker processes)
 
 Errors never stop the stream unless `strict`: a sample that fails is recorded with its key and reason
@@ -10,7 +10,6 @@ Errors never stop the stream unless `strict`: a sample that fails is recorded wi
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import threading
@@ -20,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import soundfile as sf
 import torch
 
 from shardtrain import storage
+from shardtrain.audio import AudioError, decode_into
 from shardtrain.index import Dataset
 from shardtrain.plan import Chunk, PlanIndex
 
@@ -142,16 +141,9 @@ class ChunkReader:
         t1 = time.perf_counter()
         want = len(out)
         try:
-            with sf.SoundFile(io.BytesIO(buf[a0:a0 + a_len])) as f:
-                if f.channels == 1:
-                    got = len(f.read(want, dtype=out.dtype.name, out=out))
-                else:  # downmix: average the channels
-                    multi = f.read(want, dtype="float32", always_2d=True)
-                    mono = multi.mean(axis=1)
-                    got = len(mono)
-                    out[:got] = mono if out.dtype == np.float32 else np.round(mono * 32767).astype(out.dtype)
-        except Exception as e:  # noqa: BLE001 - libsndfile raises several types for corrupt audio
-            return key, text, 0, f"decode_error: {type(e).__name__}: {e}", t1 - t0, 0.0
+            got = decode_into(buf[a0:a0 + a_len], out)
+        except AudioError as e:
+            return key, text, 0, f"decode_error: {e}", t1 - t0, time.perf_counter() - t1
         t2 = time.perf_counter()
         if got < want:
             return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated audio)", t1 - t0, t2 - t1

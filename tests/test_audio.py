@@ -203,3 +203,75 @@ def test_decode_and_target_validation(tmp_path):
         AudioTarget(codec="opus", sample_rate_hz=22050)
     with pytest.raises(ValueError, match="codec"):
         AudioTarget(codec="aac")
+
+
+def _flac_bytes(pcm: np.ndarray, rate_hz: int = 16000, fmt: str = "FLAC") -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, pcm, rate_hz, format=fmt, subtype="PCM_16")
+    return buf.getvalue()
+
+
+def test_decode_into_matches_soundfile_and_reports_bad_audio():
+    from shardtrain import audio
+
+    assert audio.FAST_DECODE, "the GIL-free memfd decoder should be active on Linux"
+    rng = np.random.default_rng(0)
+    pcm = (rng.standard_normal(24_000) * 3000).astype(np.int16)
+    data = _flac_bytes(pcm)
+    ref_f = sf.read(io.BytesIO(data), dtype="float32")[0]
+    for dtype, ref in ((np.float32, ref_f), (np.int16, pcm)):
+        out = np.zeros(len(pcm), dtype)
+        assert audio.decode_into(memoryview(data), out) == len(pcm)
+        np.testing.assert_array_equal(out, ref)
+    # a row shorter than the file takes only its length; the tail of a longer row stays zero
+    out = np.zeros(1000, np.float32)
+    assert audio.decode_into(data, out) == 1000 and np.array_equal(out, ref_f[:1000])
+    out = np.zeros(len(pcm) + 50, np.float32)
+    assert audio.decode_into(data, out) == len(pcm) and not out[len(pcm):].any()
+    # truncated: fewer samples than the index promises (the caller reports it)
+    out = np.zeros(len(pcm), np.float32)
+    try:  # libsndfile either stops short or reports lost sync; never a silent full-length decode
+        assert audio.decode_into(data[: len(data) // 2], out) < len(pcm)
+    except AudioError as e:
+        assert "unreadable_audio" in str(e)
+    with pytest.raises(AudioError, match="unreadable_audio"):
+        audio.decode_into(b"not audio at all" * 64, np.zeros(100, np.float32))
+    with pytest.raises(AudioError, match="empty_audio"):
+        audio.decode_into(b"", np.zeros(100, np.float32))
+    # stereo falls back to the averaging path
+    st = np.stack([pcm, (pcm // 2).astype(np.int16)], axis=1)
+    out = np.zeros(len(pcm), np.float32)
+    assert audio.decode_into(_flac_bytes(st, fmt="WAV"), out) == len(pcm)
+    np.testing.assert_allclose(out, sf.read(io.BytesIO(_flac_bytes(st)), dtype="float32")[0].mean(axis=1), atol=1e-6)
+
+
+def test_decode_into_threads_and_fork_do_not_share_buffers():
+    """Each thread (and a forked child) needs its own memfd: a shared one would mix members' bytes."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardtrain import audio
+
+    rng = np.random.default_rng(1)
+    pcms = [(rng.standard_normal(int(n)) * 3000).astype(np.int16) for n in rng.integers(2000, 30000, 64)]
+    blobs = [_flac_bytes(p) for p in pcms]
+
+    def one(i):
+        out = np.zeros(len(pcms[i]), np.int16)
+        return audio.decode_into(blobs[i], out) == len(pcms[i]) and np.array_equal(out, pcms[i])
+
+    audio.decode_into(blobs[0], np.zeros(len(pcms[0]), np.int16))  # the parent's thread has a decoder now
+    with ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(one, list(range(64)) * 4))
+    ctx = multiprocessing.get_context("fork")  # children inherit the parent's decoder and must not write to it
+
+    def child():
+        raise SystemExit(0 if all(one(i) for i in range(64)) else 3)
+
+    procs = [ctx.Process(target=child) for _ in range(2)]
+    for p in procs:
+        p.start()
+    assert all(one(i) for i in range(64))  # the parent decodes at the same time
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
