@@ -10,8 +10,10 @@ Errors never stop the stream unless `strict`: a sample that fails is recorded wi
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,12 +96,57 @@ class ShardCache:
                 os.remove(victim)
 
 
+class OldestFirstPool:
+    """Decode threads that always take a row of the oldest chunk in flight first.
+
+    A FIFO pool interleaves the rows of the chunks being prefetched, so the next batch waited for its
+    neighbours' decodes too: first batch 0.05 s instead of 0.035 s locally (measured; 2 chunks in flight).
+    Tasks are ordered by (priority, submission order); `shutdown` cancels what has not started.
+    """
+
+    _STOP = (float("inf"), -1, None, None, ())
+
+    def __init__(self, threads: int, name: str):
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn, *args) -> Future:
+        fut: Future = Future()
+        self._q.put((priority, next(self._order), fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            _, _, fut, fn, args = self._q.get()
+            if fut is None:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting reader
+                    fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item[2] is not None:
+                item[2].cancel()
+        for _ in self._threads:
+            self._q.put(self._STOP)
+
+
 class ChunkReader:
     """Reads and decodes chunks; one per process (built lazily inside each DataLoader worker)."""
 
     def __init__(self, ds: Dataset, idx: PlanIndex, cfg: StreamConfig):
         self.ds, self.idx, self.cfg = ds, idx, cfg
-        self.decode_pool = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="decode")
+        self.decode_pool = OldestFirstPool(cfg.decode_threads, "decode")
         self.io_pool = ThreadPoolExecutor(cfg.prefetch_chunks, thread_name_prefix="read")
         self.cache = (ShardCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
                       if cfg.cache_dir and not storage.is_local(ds.url) else None)
@@ -109,7 +156,7 @@ class ChunkReader:
         url = self.ds.shard_url(shard)
         so = self.ds.storage_options
         kw = dict(retries=self.cfg.retries, piece_bytes=int(self.cfg.piece_mb * (1 << 20)),
-                  backoff_s=self.cfg.retry_backoff_s)
+                  backoff_s=self.cfg.retry_backoff_s, direct_http=self.cfg.s3_direct_http)
         if self.cache is not None:
             url = self.cache.path(self.ds, shard, lambda: storage.read_range(url, 0, None, so, **kw))
             so = None
@@ -149,13 +196,15 @@ class ChunkReader:
             return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated audio)", t1 - t0, t2 - t1
         return key, text, got, None, t1 - t0, t2 - t1
 
-    def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, as_float: bool) -> ChunkBatches:
+    def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, as_float: bool,
+             order: int = 0) -> ChunkBatches:
         """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
 
         Batches are allocated up front from the index's sample counts and each row decodes straight into its
         slot, as soon as the piece holding its bytes has arrived (decoding overlaps the rest of the transfer).
         `as_float` decodes to float32 (in-process: the trainer gets the array as is); worker processes use
-        int16, half the bytes through shared memory, converted by the main process.
+        int16, half the bytes through shared memory, converted by the main process. Rows of a lower `order`
+        (the chunk's place in the schedule) are decoded first.
         """
         idx, errors = self.idx, []
         timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
@@ -183,7 +232,8 @@ class ChunkReader:
                         r = int(run_rows[nxt])
                         bi, i = slot[r]
                         row_out = padded[bi][i, : int(idx.num_samples[r])]
-                        futures.append((r, self.decode_pool.submit(self._decode, view, start, end - start, r, row_out)))
+                        futures.append((r, self.decode_pool.submit(order, self._decode, view, start, end - start, r,
+                                                                    row_out)))
                         nxt += 1
             except OSError as e:
                 if self.cfg.strict:

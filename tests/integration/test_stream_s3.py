@@ -1,6 +1,7 @@
 """The loader against a real SeaweedFS server on loopback, including a connection cut mid-shard."""
 import pytest
 
+from shardtrain import storage
 from shardtrain.pack import PackConfig, pack
 from shardtrain.plan import BucketConfig
 from shardtrain.s3local import DropProxy
@@ -33,12 +34,22 @@ def keys_per_batch(url, storage_options=None, **kw):
     return out, loader
 
 
-def test_s3_stream_equals_local(local_and_s3, s3):
+def _signed_paths() -> set[str]:
+    return {path for _, path in storage._signed}
+
+
+@pytest.mark.parametrize("direct_http,workers", [(True, 0), (False, 0), (True, 2)],
+                         ids=["direct-http", "s3fs", "direct-http-2-workers"])
+def test_s3_stream_equals_local(local_and_s3, s3, direct_http, workers):
     local, url = local_and_s3
     ref, _ = keys_per_batch(local)
-    got, loader = keys_per_batch(url, s3.storage_options)
+    storage._signed.clear()
+    got, loader = keys_per_batch(url, s3.storage_options, s3_direct_http=direct_http, num_workers=workers)
     assert got == ref
     assert loader.stats()["skipped"] == 0
+    # the path under test really ran: presigned URLs exist only when shards are read over direct HTTP (with
+    # workers, only because the main process signed them before forking)
+    assert len(_signed_paths()) == (4 if direct_http else 0)
 
 
 def test_s3_with_local_cache(local_and_s3, s3, tmp_path):
@@ -50,9 +61,11 @@ def test_s3_with_local_cache(local_and_s3, s3, tmp_path):
     assert len(list((tmp_path / "cache").glob("*.tar"))) > 0
 
 
-def test_connection_cut_mid_shard_loses_and_duplicates_nothing(local_and_s3, s3, caplog):
-    """s3fs retries a reset read 5 times itself (botocore's own retries are switched off here); 12 cuts in a row
-    exhaust it, so the loader's own retry (resume at the byte reached) must carry the read through."""
+@pytest.mark.parametrize("direct_http", [True, False], ids=["direct-http", "s3fs"])
+def test_connection_cut_mid_shard_loses_and_duplicates_nothing(local_and_s3, s3, caplog, direct_http):
+    """A proxy resets the first 12 connections after 20 kB each. Through s3fs (which retries a reset read 5
+    times itself; botocore's retries are off here) that exhausts s3fs, so the loader's own retry (resume at
+    the byte reached) must carry the read; over direct HTTP every reset is the loader's to retry."""
     local, url = local_and_s3
     ref, _ = keys_per_batch(local)
     port = int(s3.endpoint_url.rsplit(":", 1)[1])
@@ -61,7 +74,7 @@ def test_connection_cut_mid_shard_loses_and_duplicates_nothing(local_and_s3, s3,
         so = s3.storage_options_for(f"http://127.0.0.1:{proxy.port}")
         # fresh s3fs instance so no pooled connection bypasses the proxy
         so["skip_instance_cache"] = True
-        got, loader = keys_per_batch(url, so, retry_backoff_s=0.01)
+        got, loader = keys_per_batch(url, so, retry_backoff_s=0.01, s3_direct_http=direct_http)
         assert proxy.drops_done >= 6, "too few cuts to get past s3fs's own retries: the test proves nothing"
     assert any("retry" in r.getMessage() for r in caplog.records), "the loader's own retry never ran"
     assert got == ref
