@@ -38,8 +38,8 @@ SAMPLE_RATE_HZ = 16000
 
 # ---------------------------------------------------------------------------------------------- runners
 def run_shardtrain(url: str, workers: int, max_batch_seconds: float, seed: int = 0,
-                   decode_threads: int | None = None, storage_options: dict | None = None) -> dict:
-    """One epoch of the real loader on one rank (shardtrain.bench: the clock includes reading the index)."""
+                   decode_threads: int | None = None, storage_options: dict | None = None, epochs: int = 1) -> dict:
+    """`epochs` of the real loader on one rank (shardtrain.bench: the clock includes reading the index)."""
     from shardtrain.bench import BenchConfig, bench_loader
     from shardtrain.plan import BucketConfig
     from shardtrain.stream import StreamConfig
@@ -47,7 +47,7 @@ def run_shardtrain(url: str, workers: int, max_batch_seconds: float, seed: int =
 
     kw = {} if decode_threads is None else {"decode_threads": decode_threads}
     stream = StreamConfig(bucket=BucketConfig(max_batch_seconds=max_batch_seconds), num_workers=workers, **kw)
-    return bench_loader(url, world=World(), seed=seed, stream=stream, bench=BenchConfig(epochs=1),
+    return bench_loader(url, world=World(), seed=seed, stream=stream, bench=BenchConfig(epochs=epochs),
                         storage_options=storage_options)
 
 
@@ -75,8 +75,12 @@ def _pad(items: list):
     return torch.from_numpy(out), torch.from_numpy(lengths), [t for _, t in items]
 
 
-def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0, shuffle_buffer: int = 1000) -> dict:
-    """The plain pipeline a webdataset user writes: shard shuffle, sample shuffle, decode, fixed batches."""
+def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0, shuffle_buffer: int = 1000,
+                   epochs: int = 1) -> dict:
+    """The plain pipeline a webdataset user writes: shard shuffle, sample shuffle, decode, fixed batches; one
+    pass over the DataLoader per epoch, as a training loop does."""
+    import itertools
+
     import torch
     import webdataset as wds
 
@@ -88,7 +92,8 @@ def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0
               .shuffle(shuffle_buffer).map(_wds_decode).batched(batch_size, collation_fn=_pad, partial=True))
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
                                          prefetch_factor=2 if workers else None)
-        out = common.time_batches(dl, sample_rate_hz=SAMPLE_RATE_HZ, t_start=t0, rss=rss)
+        batches = itertools.chain.from_iterable(dl for _ in range(epochs))
+        out = common.time_batches(batches, sample_rate_hz=SAMPLE_RATE_HZ, t_start=t0, rss=rss)
     return {**out, "workers": workers, "batch_size": batch_size}
 
 
@@ -110,11 +115,11 @@ def _decode_shard(path: str) -> tuple[int, int]:
     return frames, n
 
 
-def run_decode_limit(paths: list[str], processes: int) -> dict:
+def run_decode_limit(paths: list[str], processes: int, epochs: int = 1) -> dict:
     """The machine's ceiling: tar read + decode in a tight loop, one process per core, nothing else."""
     import multiprocessing
 
-    paths = sorted(paths, key=os.path.getsize, reverse=True)  # largest first: the pool's tail stays short
+    paths = sorted(paths, key=os.path.getsize, reverse=True) * epochs  # largest first: the pool's tail stays short
     with multiprocessing.get_context("fork").Pool(processes) as pool:
         pool.map(abs, range(processes))  # workers started before the clock (and before torch is imported)
         from shardtrain.bench import RssSampler
@@ -197,7 +202,8 @@ def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_
     for rep in range(repeats):
         for procs in (os.cpu_count() or 1, 1):
             r = common.run_isolated("bench_loader", "run_decode_limit",
-                                    {"paths": common.shard_paths(targets.ds), "processes": procs})
+                                    {"paths": common.shard_paths(targets.ds), "processes": procs,
+                                     "epochs": common_kw.get("decode-limit", {}).get("epochs", 1)})
             r.update(tool="decode-limit" if procs > 1 else "decode-1proc", storage="local", rep=rep)
             limit_runs.setdefault(procs, []).append(r)
             _log_run(r, jsonl)
@@ -242,26 +248,28 @@ def rows_for_table(runs: dict, limit: dict, ref_workers: int | None = None) -> t
                "of_decode_limit": common.ratio(me, lim)}
         summary.append(row)
         table.append({"tool": tool, "storage": storage, "workers": workers, "runs": len(rs),
-                      "audio": common.fmt_stat(agg["audio_s_per_s"]), "samples": common.fmt_stat(agg["samples_per_s"]),
+                      "audio": common.fmt_stat(agg["audio_s_per_s"]), "steady": common.fmt_stat(agg["steady_audio_s_per_s"]),
+                      "samples": common.fmt_stat(agg["samples_per_s"]),
                       "pad": common.fmt_stat(agg["padding_efficiency"], 2),
                       "batch_s": common.fmt_stat(agg["batch_audio_s"]),
                       "first": common.fmt_stat(agg["first_batch_s"], 2), "rss": common.fmt_stat(agg["peak_rss_mb"]),
                       "st_over": f"{row['shardtrain_over_tool']:.2f}" if row["shardtrain_over_tool"] else "-",
                       "limit": f"{row['of_decode_limit']:.0%}" if row["of_decode_limit"] else "-"})
     table.append({"tool": "decode-limit", "storage": "local", "workers": f"{os.cpu_count()} procs",
-                  "runs": len(limit["runs"]), "audio": common.fmt_stat(limit["audio_s_per_s"]),
+                  "runs": len(limit["runs"]), "audio": common.fmt_stat(limit["audio_s_per_s"]), "steady": "-",
                   "samples": common.fmt_stat(limit["samples_per_s"]), "pad": "-", "batch_s": "-", "first": "-",
                   "rss": common.fmt_stat(limit["peak_rss_mb"]), "st_over": "-", "limit": "100%"})
     one = limit["one_process"]
     table.append({"tool": "decode, 1 process", "storage": "local", "workers": "1 proc", "runs": one["audio_s_per_s"]["n"],
-                  "audio": common.fmt_stat(one["audio_s_per_s"]), "samples": common.fmt_stat(one["samples_per_s"]),
+                  "audio": common.fmt_stat(one["audio_s_per_s"]), "steady": "-",
+                  "samples": common.fmt_stat(one["samples_per_s"]),
                   "pad": "-", "batch_s": "-", "first": "-", "rss": common.fmt_stat(one["peak_rss_mb"]), "st_over": "-",
                   "limit": f"{common.ratio(one['audio_s_per_s']['median'], lim):.0%}" if lim else "-"})
     return table, summary
 
 
 COLUMNS = [("tool", "loader"), ("storage", "storage"), ("workers", "workers"), ("runs", "runs"),
-           ("audio", "audio-s/s"), ("samples", "samples/s"), ("pad", "padding eff."),
+           ("audio", "audio-s/s"), ("steady", "audio-s/s after 1st batch"), ("samples", "samples/s"), ("pad", "padding eff."),
            ("batch_s", "audio s / batch"), ("first", "first batch s"),
            ("rss", "peak RSS MB"), ("st_over", "shardtrain / this"), ("limit", "of decode limit")]
 
@@ -286,8 +294,10 @@ def main(args: argparse.Namespace) -> dict:
         targets = Targets(ds, args.storage, work)
         try:
             runs, limit = run_matrix(targets, ["shardtrain", "webdataset"], args.storage, args.workers, args.repeats,
-                              {"shardtrain": {"max_batch_seconds": args.max_batch_seconds, "seed": args.seed},
-                               "webdataset": {"batch_size": bs, "seed": args.seed}}, jsonl)
+                              {"shardtrain": {"max_batch_seconds": args.max_batch_seconds, "seed": args.seed,
+                                              "epochs": args.epochs},
+                               "webdataset": {"batch_size": bs, "seed": args.seed, "epochs": args.epochs},
+                               "decode-limit": {"epochs": args.epochs}}, jsonl)
         finally:
             targets.close()
     table, summary = rows_for_table(runs, limit)
@@ -313,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts")
     ap.add_argument("--storage", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (median and min-max reported)")
+    ap.add_argument("--epochs", type=int, default=1,
+                    help="passes over the data per run, for every tool and the decode limit (start-up weighs less)")
     ap.add_argument("--max-batch-seconds", type=float, default=300.0, help="shardtrain budget; sets wds batch size")
     ap.add_argument("--shard-mb", type=float, default=16.0, help="pack target shard size")
     ap.add_argument("--seed", type=int, default=0)

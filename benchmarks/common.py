@@ -140,9 +140,13 @@ def time_batches(batches, *, sample_rate_hz: int, t_start: float, rss) -> dict:
     samples = n_batches = 0
     real = padded = 0
     first_batch_s = None
+    from shardtrain.bench import steady_rate
+
+    first_real = 0
     for waves, lengths, *_ in batches:
         if first_batch_s is None:
             first_batch_s = time.perf_counter() - t_start
+            first_real = int(lengths.sum())
         n_batches += 1
         samples += int(lengths.shape[0])
         real += int(lengths.sum())
@@ -152,12 +156,13 @@ def time_batches(batches, *, sample_rate_hz: int, t_start: float, rss) -> dict:
     return {"samples": samples, "audio_seconds": round(audio_s, 3), "wall_seconds": round(wall, 3),
             "samples_per_s": round(samples / wall, 2), "audio_s_per_s": round(audio_s / wall, 1),
             "padding_efficiency": round(real / padded, 4) if padded else None, "batches": n_batches,
-            "first_batch_s": round(first_batch_s or 0.0, 3), "peak_rss_mb": round(rss.peak_bytes / 2**20, 1)}
+            "first_batch_s": round(first_batch_s or 0.0, 3), "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
+            "steady_audio_s_per_s": steady_rate(audio_s, first_real / sample_rate_hz, wall, first_batch_s)}
 
 
 # ---------------------------------------------------------------------------------------------- statistics
-METRICS = ("audio_s_per_s", "samples_per_s", "padding_efficiency", "first_batch_s", "peak_rss_mb",
-           "batch_audio_s")
+METRICS = ("audio_s_per_s", "steady_audio_s_per_s", "samples_per_s", "padding_efficiency", "first_batch_s",
+           "peak_rss_mb", "batch_audio_s")
 """batch_audio_s: mean audio seconds per batch (padding efficiency only compares at similar batch sizes)."""
 
 

@@ -87,6 +87,14 @@ class RssSampler:
         self._sample(0)
 
 
+def steady_rate(audio_s: float, first_audio_s: float, wall_s: float, first_batch_s: float | None) -> float | None:
+    """Audio-s/s after the first batch: the rate a long run converges to, without start-up (imports excluded,
+    index read, first chunk). None when there is no second batch."""
+    if first_batch_s is None or wall_s <= first_batch_s or audio_s <= first_audio_s:
+        return None
+    return round((audio_s - first_audio_s) / (wall_s - first_batch_s), 1)
+
+
 def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, bench: BenchConfig,
                  storage_options: dict | None = None) -> dict:
     """Run the loader and return one flat dict of figures (JSON-able)."""
@@ -96,6 +104,7 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
     samples = batches = 0
     audio_s = real = padded = wait_s = 0.0
     first_batch_s = None
+    first_audio_s = 0.0
     gen = torch.Generator(device=bench.device).manual_seed(seed)
     with RssSampler() as rss:
         t_start = time.perf_counter()
@@ -115,6 +124,7 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
             wait_s += t1 - t0
             if first_batch_s is None:
                 first_batch_s = t1 - t_start
+                first_audio_s = float(batch.durations_s.sum())
             waves, lengths = batch.waves, batch.lengths
             if bench.device != "cpu":
                 waves = waves.to(bench.device, non_blocking=True)
@@ -145,6 +155,7 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
         "samples_per_s": round(samples / wall, 2), "audio_s_per_s": round(audio_s / wall, 1),
         "padding_efficiency": round(real / padded, 4) if padded else None, "batches": batches,
         "first_batch_s": round(first_batch_s or 0.0, 3), "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
+        "steady_audio_s_per_s": steady_rate(audio_s, first_audio_s, wall, first_batch_s),
         "skipped": stats["skipped"], "too_long": stats["too_long"],
         "data_wait_pct": round(100.0 * wait_s / wall, 2) if bench.step_ms > 0 else None,
         "workers": stream.num_workers, "decode_threads": stream.decode_threads,

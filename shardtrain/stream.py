@@ -199,7 +199,7 @@ class Loader:
     def __init__(self, url: str, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
                  storage_options: dict | None = None):
         self.world, self.seed, self.cfg = world, seed, cfg
-        self.ds = open_dataset(url, storage_options)
+        self.ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
         table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz"])
         rates = np.unique(table.column("sample_rate_hz").to_numpy())
         if len(rates) > 1:

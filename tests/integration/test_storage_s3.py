@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from shardtrain import storage
+from shardtrain import s3http, storage
 
 pytestmark = pytest.mark.s3
 
@@ -46,10 +46,10 @@ def test_direct_http_resigns_an_expired_url(blob, s3):
     fs, path = storage.fs_and_path(url, s3.storage_options)
     expired = fs.sign(path, expiration=1)
     time.sleep(2.1)
-    storage._signed[(storage._opts_key(s3.storage_options), path)] = (expired, time.time() + 10_000)  # the cache still believes in it
+    s3http._signed[(s3http.opts_key(s3.storage_options), path)] = (expired, time.time() + 10_000)  # the cache still believes in it
     got = b"".join(storage.iter_range(url, 0, 1000, s3.storage_options, direct_http=True, retries=0))
     assert got == data[:1000]
-    assert storage._signed[(storage._opts_key(s3.storage_options), path)][0] != expired
+    assert s3http._signed[(s3http.opts_key(s3.storage_options), path)][0] != expired
 
 
 def test_direct_http_reuses_one_connection_per_thread(blob, s3):
@@ -65,3 +65,47 @@ def test_direct_http_reuses_one_connection_per_thread(blob, s3):
             got = b"".join(storage.iter_range(url, a, a + 400_000, so, direct_http=True, retries=0))
             assert got == data[a:a + 400_000]
         assert proxy.connections == 1
+
+
+def test_local_sigv4_is_checked_by_the_server(blob, s3):
+    """URLs signed here (no s3fs) are accepted; the same URL signed with a wrong secret is refused, so the
+    server really verifies what this module signs."""
+    import dataclasses
+    import urllib.request
+
+    url, data = blob
+    creds = s3http.static_credentials(s3.storage_options)
+    assert creds is not None
+    path = url.split("://", 1)[1]
+    good = s3http.sigv4_presign(creds, path, 600, time.time())
+    assert urllib.request.urlopen(good, timeout=10).read() == data
+    bad = s3http.sigv4_presign(dataclasses.replace(creds, secret=creds.secret + "x"), path, 600, time.time())
+    with pytest.raises(urllib.error.HTTPError, match="403"):
+        urllib.request.urlopen(bad, timeout=10)
+
+
+def test_refused_local_signature_falls_back_to_s3fs(blob, s3, monkeypatch):
+    """A server that refuses URLs signed here (injected: a corrupted signature) is read through s3fs's URLs."""
+    url, data = blob
+    so = {**s3.storage_options, "skip_instance_cache": True}  # own cache key: other tests keep local signing
+    real = s3http.sigv4_presign
+    monkeypatch.setattr(s3http, "sigv4_presign", lambda *a: real(*a)[:-4] + "0000")
+    got = b"".join(storage.iter_range(url, 10, 5000, so, direct_http=True, retries=0))
+    assert got == data[10:5000]
+    assert s3http.opts_key(so) in s3http._local_rejected
+
+
+def test_open_ended_reads_and_range_file(blob, s3, tmp_path):
+    url, data = blob
+    so = s3.storage_options
+    # object size a multiple of the piece: the last request finds the end (416), which is not an error
+    assert b"".join(storage.iter_range(url, 0, None, so, direct_http=True, piece_bytes=1_000_000)) == data
+    assert storage.read_bytes(url, so, direct_http=True) == data
+    with storage.open_ranged(url, so, direct_http=True) as f:
+        assert f.seek(0, 2) == len(data)
+        for a, n in [(0, 10), (2_999_990, 100), (1_500_000, 1_200_000), (5, 0), (123, 4)]:
+            f.seek(a)
+            assert f.read(n) == data[a:a + n]
+            assert f.tell() == min(len(data), a + n)
+    with pytest.raises(FileNotFoundError):
+        storage.open_ranged(url + ".nope", so, direct_http=True)

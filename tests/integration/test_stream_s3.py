@@ -1,7 +1,7 @@
 """The loader against a real SeaweedFS server on loopback, including a connection cut mid-shard."""
 import pytest
 
-from shardtrain import storage
+from shardtrain import s3http
 from shardtrain.pack import PackConfig, pack
 from shardtrain.plan import BucketConfig
 from shardtrain.s3local import DropProxy
@@ -35,7 +35,7 @@ def keys_per_batch(url, storage_options=None, **kw):
 
 
 def _signed_paths() -> set[str]:
-    return {path for _, path in storage._signed}
+    return {path for _, path in s3http._signed}
 
 
 @pytest.mark.parametrize("direct_http,workers", [(True, 0), (False, 0), (True, 2)],
@@ -43,13 +43,40 @@ def _signed_paths() -> set[str]:
 def test_s3_stream_equals_local(local_and_s3, s3, direct_http, workers):
     local, url = local_and_s3
     ref, _ = keys_per_batch(local)
-    storage._signed.clear()
+    s3http._signed.clear()
     got, loader = keys_per_batch(url, s3.storage_options, s3_direct_http=direct_http, num_workers=workers)
     assert got == ref
     assert loader.stats()["skipped"] == 0
     # the path under test really ran: presigned URLs exist only when shards are read over direct HTTP (with
     # workers, only because the main process signed them before forking)
-    assert len(_signed_paths()) == (4 if direct_http else 0)
+    assert len({p for p in _signed_paths() if p.endswith(".tar")}) == (4 if direct_http else 0)
+
+
+def test_direct_http_loader_never_starts_s3fs(local_and_s3, s3):
+    """With explicit keys and endpoint, the loader signs URLs itself: a fresh process streams the whole epoch
+    from S3 without importing s3fs (whose start-up is ~0.3 s of a loader's time to first batch)."""
+    import json
+    import subprocess
+    import sys
+
+    local, url = local_and_s3
+    ref, _ = keys_per_batch(local)
+    code = (
+        "import sys, json\n"
+        "from shardtrain.plan import BucketConfig\n"
+        "from shardtrain.stream import StreamConfig, build_loader\n"
+        "from shardtrain.world import World\n"
+        "cfg = StreamConfig(bucket=BucketConfig(max_batch_seconds=10.0, chunk_mb=0.1), epochs=1)\n"
+        "loader = build_loader(sys.argv[1], world=World(), seed=0, cfg=cfg, storage_options=json.loads(sys.argv[2]))\n"
+        "out = [[list(b.keys), b.waves.sum().item()] for b, _ in loader]\n"
+        "print(json.dumps({'batches': out, 's3fs': 's3fs' in sys.modules, 'botocore': 'botocore' in sys.modules}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, url, json.dumps(s3.storage_options)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(tuple(k), v) for k, v in res["batches"]] == ref
+    assert not res["s3fs"] and not res["botocore"]
 
 
 def test_s3_with_local_cache(local_and_s3, s3, tmp_path):
