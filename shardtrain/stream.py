@@ -213,6 +213,7 @@ class Loader:
         """Seconds per stage, summed over threads and workers (not part of the state: not reproducible)."""
         self.skipped_keys: list[dict] = []
         self.cursor = _Cursor(0, 0)
+        self._bucket_fingerprint = _cfg_fingerprint(cfg.bucket)
         if state is not None:
             self._load_state(state)
         # the plan leaves out the same utterances every epoch (alone over budget): count them, no re-planning
@@ -246,7 +247,7 @@ class Loader:
     def state_dict(self) -> dict:
         """State after the last yielded batch (resuming from it yields the next batch)."""
         c = self.cursor
-        return {"version": STATE_VERSION, "dataset": self.fingerprint, "bucket": _cfg_fingerprint(self.cfg.bucket),
+        return {"version": STATE_VERSION, "dataset": self.fingerprint, "bucket": self._bucket_fingerprint,
                 "seed": self.seed, "world_size": self.world.world_size, "epoch": c.epoch, "step": c.step,
                 "chain": [list(x) for x in c.chain], "counters": dict(self.counters),
                 "skipped_keys": list(self.skipped_keys)}
@@ -281,7 +282,10 @@ class Loader:
 
     def __iter__(self) -> Iterator[tuple[Batch, dict]]:
         pin = torch.cuda.is_available()
-        for item in self.dataloader():
+        # without worker processes the DataLoader only adds per-item overhead (~4% of a 2-core epoch, measured)
+        items = (self.dataloader() if self.cfg.num_workers else
+                 ChunkStream(self.ds, self.idx, self.seed, self.world, self.cfg, self.cursor))
+        for item in items:
             for k, v in item.timings.items():
                 self.stage_s[k] += v
             for e in item.errors:
