@@ -441,27 +441,27 @@ def _run_tasks(cfg: PackConfig, tasks: list[ShardTask]) -> dict[int, dict]:
             return results
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["shardtrain.shards", "shardtrain.audio"])
-        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx) as ex:
-            # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
-            pending, it = {}, iter(tasks)
-            for t in it:
-                pending[ex.submit(write_shard, t)] = t
-                if len(pending) >= 2 * cfg.workers:
-                    break
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    t = pending.pop(f)
-                    try:
+        try:
+            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx) as ex:
+                # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
+                pending, it = {}, iter(tasks)
+                for t in it:
+                    pending[ex.submit(write_shard, t)] = t
+                    if len(pending) >= 2 * cfg.workers:
+                        break
+                while pending:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        t = pending.pop(f)
                         results[t.shard] = f.result()  # re-raises worker errors (PackError, ...)
-                    except BrokenProcessPool as e:
-                        raise PackError(
-                            f"a worker process died (killed, or out of memory) while writing shards; {len(results)} "
-                            "finished in this run are kept: re-run the same command to write only the rest") from e
-                    bar.update(len(t.samples))
-                    nxt = next(it, None)
-                    if nxt is not None:
-                        pending[ex.submit(write_shard, nxt)] = nxt
+                        bar.update(len(t.samples))
+                        nxt = next(it, None)
+                        if nxt is not None:  # submitting to a pool broken meanwhile raises here, not in result()
+                            pending[ex.submit(write_shard, nxt)] = nxt
+        except BrokenProcessPool as e:
+            raise PackError(
+                f"a worker process died (killed, or out of memory) while writing shards; {len(results)} "
+                "finished in this run are kept: re-run the same command to write only the rest") from e
     return results
 
 
