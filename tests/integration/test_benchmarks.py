@@ -32,7 +32,19 @@ def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
         assert r["samples_per_s"]["median"] > 0 and r["audio_s_per_s"]["median"] > 0
     runs = [json.loads(line) for line in (tmp_path / "out" / "compare.jsonl").read_text().splitlines()]
     for r in runs:
-        if r["tool"] in ("shardtrain", "webdataset", "lhotse"):
+        if r["tool"] in ("shardtrain", "webdataset", "lhotse") or r["tool"].startswith("decode-limit"):
             assert r["samples"] == n, f"{r['tool']} on {r['storage']} read {r['samples']} of {n} samples"
+    assert {r["tool"] for r in runs} >= {"decode-limit-soundfile", "decode-limit-decode_into"}
     assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
     assert "| shardtrain |" in (tmp_path / "out" / "compare.md").read_text()
+
+
+def test_bench_decode_compares_both_decoders(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--utterances", "60", "--shards", "1",
+           "--repeats", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "bench_decode.json").read_text())
+    assert result["members"] > 0 and result["audio_seconds"] > 0
+    seen = {(r["decoder"], r["parallelism"].split()[1]) for r in result["rows"] if r["audio_s_per_s"]["median"] > 0}
+    assert seen == {(d, how) for d in ("soundfile BytesIO", "decode_into (memfd)") for how in ("threads", "processes")}
