@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.random  # noqa: F401 - numpy 2 imports it lazily on first use, inside the first plan
 
 FILL_TARGET = 0.95
 """Planned chunk audio per batch, as a share of max_batch_seconds."""

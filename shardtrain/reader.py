@@ -112,13 +112,20 @@ class OldestFirstPool:
     def __init__(self, threads: int, name: str):
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
 
     def submit(self, priority: int, fn, *args) -> Future:
+        """Queue `fn(*args)`; after `shutdown` raises RuntimeError (a reader still loading then stops, instead of
+        waiting forever on a task no thread will run)."""
         fut: Future = Future()
-        self._q.put((priority, next(self._order), fut, fn, args))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("decode pool is shut down")
+            self._q.put((priority, next(self._order), fut, fn, args))
         return fut
 
     def _run(self) -> None:
@@ -133,6 +140,8 @@ class OldestFirstPool:
                     fut.set_exception(e)
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
         while True:
             try:
                 item = self._q.get_nowait()

@@ -227,3 +227,22 @@ def test_shard_content_is_data_not_code(tmp_path):
     batches, _, _ = run(str(tmp_path / "ds"))
     assert [t for b in batches for t in b[3]] == [evil] * 3
     assert canary.exists()
+
+
+def test_abandoned_loader_stops_its_threads(dataset):
+    """Leaving an epoch early (a resume test, a trainer hitting max_steps) must not leave a reader thread waiting
+    forever on a decode the shut-down pool will never run: that hung interpreter exit."""
+    import threading
+    import time
+
+    for _ in range(5):  # the race needs the pool to shut down while a prefetched chunk is still being read
+        it = iter(build_loader(dataset, world=World(), seed=0, cfg=cfg(prefetch_chunks=4, decode_threads=1)))
+        next(it)
+        it.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith(("read", "decode"))]
+        if not alive:
+            break
+        time.sleep(0.05)
+    assert not alive, f"loader threads still running after close: {alive}"
