@@ -62,3 +62,23 @@ def test_read_range_retries_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(type(fs), "cat_file", always)
     with pytest.raises(OSError, match="failed after 2 retries"):
         storage.read_range(str(p), 0, 10, retries=2, backoff_s=0.001)
+
+
+def test_cli_storage_options_take_explicit_keys_from_env():
+    """Entry points copy an explicit endpoint + keys from AWS_* variables, so the loader can sign S3 URLs itself;
+    real AWS (no endpoint variable) and options given on the command line are left to s3fs."""
+    from shardtrain.cli import _parse_storage_options
+    from shardtrain.s3http import static_credentials
+
+    env = {"AWS_ACCESS_KEY_ID": "ak", "AWS_SECRET_ACCESS_KEY": "sk", "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+           "AWS_DEFAULT_REGION": "eu-west-1"}
+    so = _parse_storage_options(["anon=false"], env)
+    assert so == {"anon": False, "key": "ak", "secret": "sk",
+                  "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000", "region_name": "eu-west-1"}}
+    creds = static_credentials(so)
+    assert creds is not None and creds.region == "eu-west-1" and creds.endpoint == "http://127.0.0.1:9000"
+    no_endpoint = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
+    assert _parse_storage_options([], no_endpoint) == {}
+    assert _parse_storage_options(["key=mine"], env) == {"key": "mine"}
+    with pytest.raises(SystemExit, match="key=value"):
+        _parse_storage_options(["novalue"], env)
