@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import pyarrow as pa
@@ -79,15 +79,7 @@ class ShardInfo:
         )
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "samples": self.samples,
-            "seconds": self.seconds,
-            "min_duration_s": self.min_duration_s,
-            "max_duration_s": self.max_duration_s,
-            "bytes": self.bytes,
-            "sha256": self.sha256,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

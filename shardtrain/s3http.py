@@ -164,10 +164,14 @@ def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> 
 
 
 def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_value: str):
-    """(parts, conn, response) of a GET with `Range: range_value`; handles stale keep-alive and expired URLs."""
-    resign = reconnected = False
+    """(parts, conn, response) of a GET with `Range: range_value`; handles stale keep-alive and refused URLs.
+
+    A 403 is answered by signing again (the cached URL may have expired); a second 403 on a fresh URL makes
+    local signing stop for these options (`_refused`) and s3fs signs the last try. A third 403 is returned.
+    """
+    resigns, reconnected = 0, False
     while True:
-        parts = urllib.parse.urlsplit(presigned(path, storage_options, fs_factory, refresh=resign))
+        parts = urllib.parse.urlsplit(presigned(path, storage_options, fs_factory, refresh=resigns > 0))
         conn = _connection(parts)
         reused = conn.sock is not None
         try:
@@ -182,22 +186,12 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
         except BaseException:
             _drop(parts, conn)
             raise
-        if resp.status == 403:
+        if resp.status == 403 and resigns < 2:
             resp.read()
-            if not resign:  # perhaps an expired URL: sign again once
-                resign = True
-                continue
-            _refused(path, storage_options)
-            _drop(parts, conn)
-            # one more try with s3fs's signature when the one made here was refused
-            parts = urllib.parse.urlsplit(presigned(path, storage_options, fs_factory, refresh=True))
-            conn = _connection(parts)
-            try:
-                conn.request("GET", f"{parts.path}?{parts.query}", headers={"Range": range_value})
-                resp = conn.getresponse()
-            except BaseException:
-                _drop(parts, conn)
-                raise
+            if resigns == 1:
+                _refused(path, storage_options)
+            resigns += 1
+            continue
         return parts, conn, resp
 
 

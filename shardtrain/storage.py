@@ -54,6 +54,17 @@ def _protocol(url: str) -> str:
     return url.split("://", 1)[0] if "://" in url else "file"
 
 
+def _direct_s3_key(url: str | os.PathLike, direct_http: bool) -> str | None:
+    """"bucket/key" when `url` is read over direct HTTP (an s3:// URL and `direct_http`), else None."""
+    url = str(url)
+    return url.split("://", 1)[1] if direct_http and _protocol(url) in ("s3", "s3a") else None
+
+
+def _s3fs_factory(url: str | os.PathLike, storage_options: dict | None):
+    """The s3fs filesystem for `url`, built only if s3http must have s3fs sign a URL."""
+    return lambda: fs_and_path(url, storage_options)[0]
+
+
 def is_local(url: str | os.PathLike) -> bool:
     """True for plain paths and `file://` URLs (atomic rename is available there)."""
     return _protocol(str(url)) in ("file", "local")
@@ -117,7 +128,7 @@ def remove(url: str | os.PathLike, storage_options: dict | None = None, *, recur
 
 def read_bytes(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False) -> bytes:
     """Whole small object (manifest, markers). Large shards go through `read_range`."""
-    if direct_http and _protocol(str(url)) in ("s3", "s3a"):
+    if _direct_s3_key(url, direct_http) is not None:
         return read_range(url, 0, None, storage_options, direct_http=True)
     fs, path = fs_and_path(url, storage_options)
     return fs.cat_file(path)
@@ -191,11 +202,12 @@ def iter_range(
     """
     if start < 0 or (end is not None and end < start):
         raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
-    if direct_http and _protocol(str(url)) in ("s3", "s3a"):
-        path = str(url).split("://", 1)[1]
+    key = _direct_s3_key(url, direct_http)
+    if key is not None:
+        sign_with = _s3fs_factory(url, storage_options)
 
         def fetch(a: int, b: int) -> Iterator[bytes]:
-            return s3http.iter_range(path, storage_options, lambda: fs_and_path(url, storage_options)[0], a, b)
+            return s3http.iter_range(key, storage_options, sign_with, a, b)
     else:
         fs, path = fs_and_path(url, storage_options)
         if end is None:
@@ -237,21 +249,21 @@ def presign(urls: list[str], storage_options: dict | None = None) -> None:
     """Sign `urls` (s3://) for `iter_range(direct_http=True)` ahead of time (~20 us each signed locally, ~0.25 ms
     by s3fs). Why: a DataLoader worker forked afterwards finds them signed and needs no S3 client of its own."""
     for url in urls:
-        if _protocol(url) in ("s3", "s3a"):
-            s3http.presigned(url.split("://", 1)[1], storage_options, lambda: fs_and_path(url, storage_options)[0])
+        key = _direct_s3_key(url, True)
+        if key is not None:
+            s3http.presigned(key, storage_options, _s3fs_factory(url, storage_options))
 
 
 def open_ranged(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False,
                 retries: int = 5, backoff_s: float = 0.2):
     """A read-only seekable binary file for random access (Parquet): s3fs's, or over direct HTTP ranged GETs."""
-    if direct_http and _protocol(str(url)) in ("s3", "s3a"):
-        path = str(url).split("://", 1)[1]
-
+    key = _direct_s3_key(url, direct_http)
+    if key is not None:
         def block(a: int, b: int) -> bytes:
             return read_range(url, a, b, storage_options, direct_http=True, retries=retries, backoff_s=backoff_s)
 
-        return _with_retry(lambda: s3http.RangeFile(path, storage_options, lambda: fs_and_path(url, storage_options)[0],
-                                                    block), url, retries, backoff_s, 10.0)
+        return _with_retry(lambda: s3http.RangeFile(key, storage_options, _s3fs_factory(url, storage_options), block),
+                           url, retries, backoff_s, 10.0)
     fs, path = fs_and_path(url, storage_options)
     return fs.open(path, "rb")
 
