@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardtrain.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseConfig, ReverbConfig  # noqa: E402
-from shardtrain.features import FeatureConfig  # noqa: E402
+from shardtrain.train.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseConfig, ReverbConfig
+from shardtrain.train.features import FeatureConfig
 
 
 def _git_sha() -> str:
@@ -37,7 +37,7 @@ def _git_sha() -> str:
 
 def make_batch(batch: int, duration_s: float, rate: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     try:
-        from shardtrain.testing import synth_wave
+        from shardtrain.testing.corpus import synth_wave
     except ImportError:  # testing helper not present: plain noise is as costly to augment
         synth_wave = None
     g = torch.Generator().manual_seed(seed)

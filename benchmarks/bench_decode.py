@@ -1,4 +1,4 @@
-"""Decode paths on the same FLAC members: soundfile over BytesIO vs shardtrain.audio.decode_into (memfd, no GIL).
+"""Decode paths on the same FLAC members: soundfile over BytesIO vs shardtrain.format.audio.decode_into (memfd, no GIL).
 
 Why this exists: the loader decodes in threads of one process, so what matters is how decoding scales with
 threads. soundfile reading from BytesIO goes through Python callbacks that take the GIL; decode_into hands
@@ -27,7 +27,7 @@ import soundfile as sf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from shardtrain.audio import decode_into  # noqa: E402
+from shardtrain.format.audio import decode_into
 
 BLOBS: list[bytes] = []
 FRAMES: list[int] = []

@@ -4,7 +4,7 @@
     decode-only limit: every shard read + every FLAC member decoded to int16, one process per core, with
                        soundfile over BytesIO and with shardtrain's decode_into; the faster one is the 100%
     for storage in (local disk, SeaweedFS on loopback) x workers in (0, 1, 2):
-        shardtrain: shardtrain.bench.bench_loader (planned duration buckets under --max-batch-seconds)
+        shardtrain: shardtrain.load.bench.bench_loader (planned duration buckets under --max-batch-seconds)
         webdataset: WebDataset(urls, shardshuffle) -> shuffle(1000) -> soundfile decode -> fixed batch size
                     (the batch size that holds the same mean audio as a shardtrain batch) -> DataLoader(workers)
     -> audio-s/s, samples/s, padding efficiency, first-batch latency, peak RSS (process tree), and the ratios
@@ -40,10 +40,10 @@ SAMPLE_RATE_HZ = 16000
 # ---------------------------------------------------------------------------------------------- runners
 def run_shardtrain(url: str, workers: int, max_batch_seconds: float, seed: int = 0,
                    decode_threads: int | None = None, storage_options: dict | None = None, epochs: int = 1) -> dict:
-    """`epochs` of the real loader on one rank (shardtrain.bench: the clock includes reading the index)."""
-    from shardtrain.bench import BenchConfig, bench_loader
-    from shardtrain.plan import BucketConfig
-    from shardtrain.stream import StreamConfig
+    """`epochs` of the real loader on one rank (shardtrain.load.bench: the clock includes reading the index)."""
+    from shardtrain.load.bench import BenchConfig, bench_loader
+    from shardtrain.load.plan import BucketConfig
+    from shardtrain.load.config import StreamConfig
     from shardtrain.world import World
 
     kw = {} if decode_threads is None else {"decode_threads": decode_threads}
@@ -85,7 +85,7 @@ def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0
     import torch
     import webdataset as wds
 
-    from shardtrain.bench import RssSampler
+    from shardtrain.load.bench import RssSampler
 
     with RssSampler() as rss:
         t0 = time.perf_counter()
@@ -108,7 +108,7 @@ def _limit_worker_init() -> None:
     import numpy  # noqa: F401
     import soundfile  # noqa: F401
 
-    import shardtrain.audio  # noqa: F401
+    import shardtrain.format.audio  # noqa: F401
 
 
 def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int]:
@@ -122,7 +122,7 @@ def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int]:
     import numpy as np
     import soundfile as sf
 
-    from shardtrain.audio import decode_into
+    from shardtrain.format.audio import decode_into
 
     with open(path, "rb") as f:
         data = f.read()
@@ -147,7 +147,7 @@ def run_decode_limit(paths: list[str], processes: int, epochs: int = 1, decoder:
     paths = sorted(paths, key=os.path.getsize, reverse=True) * epochs  # largest first: the pool's tail stays short
     with multiprocessing.get_context("fork").Pool(processes, initializer=_limit_worker_init) as pool:
         pool.map(abs, range(processes))  # workers started and imports done before the clock
-        from shardtrain.bench import RssSampler
+        from shardtrain.load.bench import RssSampler
 
         with RssSampler() as rss:
             t0 = time.perf_counter()
@@ -178,7 +178,7 @@ class Targets:
         if shar is not None:
             self.kw[("lhotse", "local")] = _shar_fields(shar, lambda p: str(p))
         if "s3" in storages:
-            from shardtrain.s3local import LocalS3
+            from shardtrain.testing.s3server import LocalS3
 
             self._tmp = tempfile.TemporaryDirectory(prefix="s3-", dir=work_dir)
             self.s3 = LocalS3(Path(self._tmp.name) / "data").start()

@@ -45,7 +45,7 @@ def _git_sha() -> str:
 
 
 def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float, decode_check: bool = True) -> dict:
-    from shardtrain.pack import PackConfig, pack
+    from shardtrain.pack.packer import PackConfig, pack
 
     t0 = time.perf_counter()
     r = pack(PackConfig(input=str(corpus), output=str(out), workers=workers, target_shard_mb=target_shard_mb,
@@ -104,11 +104,11 @@ def run_lhotse(corpus: Path, out: Path, workers: int, shard_size: int) -> dict:
 
 def make_input(args, root: Path) -> Path:
     if args.speech:
-        from shardtrain.testing import synth_speech_corpus
+        from shardtrain.testing.speech import synth_speech_corpus
 
         corpus = synth_speech_corpus(root / "speech", args.utterances, seed=0, workers=2, layout="flat")
         return Path(corpus)
-    from shardtrain.testing import make_corpus
+    from shardtrain.testing.corpus import make_corpus
 
     rng = np.random.default_rng(0)
     durations = np.round(rng.uniform(args.min_duration_s, args.max_duration_s, args.utterances), 2).tolist()
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     import lhotse  # noqa: F401  - import cost (torch) is paid here, outside every timed section
     import webdataset  # noqa: F401
 
-    import shardtrain.audio  # noqa: F401
+    import shardtrain.pack.transcode  # noqa: F401
 
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_pack-"))
     root.mkdir(parents=True, exist_ok=True)

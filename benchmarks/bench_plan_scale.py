@@ -3,7 +3,7 @@
     synthetic index rows (1k, 10k, 100k, 1M; LibriSpeech-like durations, 256 MB shards), numpy -> PlanIndex
       -> plan_epoch(world_size 1 and 64): wall s (median of --repeats), numpy/Python heap peak (tracemalloc),
          peak RSS growth over the imports (fresh interpreter per size), batches and chunks
-    index.parquet with the real column set (shardtrain.index.INDEX_SCHEMA, zstd) for the largest size
+    index.parquet with the real column set (shardtrain.format.manifest.INDEX_SCHEMA, zstd) for the largest size
       -> pyarrow read with the planner's column projection vs all columns, and PlanIndex.from_table
     real audio (espeak-ng speech packed by `shardtrain pack`, cached in --work-dir): 1k and 4k utterances
       -> one epoch of the loader (local disk, num_workers 0): audio-s/s, first batch s, peak RSS
@@ -55,7 +55,7 @@ def synthetic_columns(n: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def plan_scale_one(n: int, world_sizes: list[int], max_batch_seconds: float, repeats: int) -> dict:
     """Run in a fresh interpreter: planning figures for one corpus size."""
-    from shardtrain.plan import BucketConfig, PlanIndex, plan_epoch
+    from shardtrain.load.plan import BucketConfig, PlanIndex, plan_epoch
 
     maxrss_mb = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731
     rss_imports = maxrss_mb()  # `import shardtrain` pulls in torch (~700 MB), so report growth over it
@@ -89,8 +89,8 @@ def index_read_one(n: int) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardtrain.index import INDEX_SCHEMA, index_bytes
-    from shardtrain.plan import PLAN_COLUMNS, PlanIndex
+    from shardtrain.format.manifest import INDEX_SCHEMA, index_bytes
+    from shardtrain.load.plan import PLAN_COLUMNS, PlanIndex
 
     cols = synthetic_columns(n)
     keys = np.char.add("spk123-chapter4567-utt", np.arange(n).astype("U8"))

@@ -64,11 +64,11 @@ def prepare_corpus(work_dir: Path, n: int, *, kind: str = "speech", seed: int = 
         return root
     t0 = time.perf_counter()
     if kind == "speech":
-        from shardtrain.testing import synth_speech_corpus
+        from shardtrain.testing.speech import synth_speech_corpus
 
         synth_speech_corpus(root, n, seed=seed, workers=os.cpu_count() or 2, layout="flat", progress=False)
     elif kind == "tone":
-        from shardtrain.testing import make_corpus
+        from shardtrain.testing.corpus import make_corpus
 
         rng = np.random.default_rng(seed)
         make_corpus(root, np.round(rng.uniform(min_duration_s, max_duration_s, n), 2).tolist(), seed=seed)
@@ -84,7 +84,7 @@ def prepare_dataset(work_dir: Path, corpus: Path, *, shard_mb: float = 16.0) -> 
     out = work_dir / f"ds-{corpus.name.removeprefix('corpus-')}-{shard_mb:g}mb"
     if (out / "manifest.json").exists():
         return out
-    from shardtrain.pack import PackConfig, pack
+    from shardtrain.pack.packer import PackConfig, pack
 
     t0 = time.perf_counter()
     pack(PackConfig(input=str(corpus), output=str(out), workers=os.cpu_count() or 2, target_shard_mb=shard_mb,
@@ -136,11 +136,11 @@ def run_isolated(script: str, func: str, kwargs: dict, *, env: dict | None = Non
 
 
 def time_batches(batches, *, sample_rate_hz: int, t_start: float, rss) -> dict:
-    """Drain an iterator of (waves [B, T] float32, lengths [B], ...) and time it like shardtrain.bench does."""
+    """Drain an iterator of (waves [B, T] float32, lengths [B], ...) and time it like shardtrain.load.bench does."""
     samples = n_batches = 0
     real = padded = 0
     first_batch_s = None
-    from shardtrain.bench import steady_rate
+    from shardtrain.load.bench import steady_rate
 
     first_real = 0
     for waves, lengths, *_ in batches:

@@ -4,7 +4,7 @@
     FLAC); both cached in --work-dir, so a rerun measures only the loaders
     decode-only limit of the machine (bench_loader.run_decode_limit: tar read + decode, one process per core)
     for each of --repeats (default 3), for storage in (local, SeaweedFS on loopback), for each tool:
-        shardtrain  shardtrain.bench.bench_loader, max_batch_seconds=B
+        shardtrain  shardtrain.load.bench.bench_loader, max_batch_seconds=B
         webdataset  WebDataset -> shuffle -> soundfile decode -> fixed batch of round(B / mean duration) utterances
         lhotse      CutSet.from_shar(split_for_dataloading, shuffle_shards) -> DynamicBucketingSampler(max_duration=B,
                     num_buckets=30, shuffle) -> IterableDatasetWrapper(dataset: collate_audio = padded float32)
@@ -73,7 +73,7 @@ def run_lhotse(cuts_paths: list[str], recording_paths: list[str], workers: int, 
     from lhotse import CutSet
     from lhotse.dataset import DynamicBucketingSampler, IterableDatasetWrapper
 
-    from shardtrain.bench import RssSampler
+    from shardtrain.load.bench import RssSampler
 
     with RssSampler() as rss:
         t0 = time.perf_counter()

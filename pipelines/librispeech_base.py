@@ -9,12 +9,12 @@ runs on the GPU. Tune `--set stream.bucket.max_batch_seconds=...` to the GPU mem
 """
 from __future__ import annotations
 
-from shardtrain.augment import AugmentConfig
-from shardtrain.features import FeatureConfig
-from shardtrain.model import SIZES
-from shardtrain.plan import BucketConfig
-from shardtrain.stream import StreamConfig
-from shardtrain.train import RunConfig, TrainConfig
+from shardtrain.train.augment import AugmentConfig
+from shardtrain.train.features import FeatureConfig
+from shardtrain.train.model import SIZES
+from shardtrain.load.plan import BucketConfig
+from shardtrain.load.config import StreamConfig
+from shardtrain.train.config import RunConfig, TrainConfig
 
 
 def config() -> RunConfig:

@@ -7,12 +7,12 @@ noise; no reverberation, whose FFT convolutions cost more than the model on a CP
 """
 from __future__ import annotations
 
-from shardtrain.augment import AugmentConfig, GainConfig, NoiseConfig, ReverbConfig
-from shardtrain.features import FeatureConfig
-from shardtrain.model import SIZES
-from shardtrain.plan import BucketConfig
-from shardtrain.stream import StreamConfig
-from shardtrain.train import RunConfig, TrainConfig
+from shardtrain.train.augment import AugmentConfig, GainConfig, NoiseConfig, ReverbConfig
+from shardtrain.train.features import FeatureConfig
+from shardtrain.train.model import SIZES
+from shardtrain.load.plan import BucketConfig
+from shardtrain.load.config import StreamConfig
+from shardtrain.train.config import RunConfig, TrainConfig
 
 
 def config() -> RunConfig:

@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardtrain.s3local import LocalS3  # noqa: E402
-from shardtrain.testing import synth_speech_corpus  # noqa: E402
+from shardtrain.testing.s3server import LocalS3
+from shardtrain.testing.speech import synth_speech_corpus
 
 
 def sh(args: list[str], env: dict, log: Path | None = None) -> str:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from shardtrain._version import __version__
 
-from shardtrain.index import Dataset, DatasetError, ShardInfo, open_dataset  # noqa: E402
-from shardtrain.pack import PackConfig, PackResult, pack  # noqa: E402  (the function shadows the module name)
-from shardtrain.plan import BucketConfig, plan_epoch  # noqa: E402
+from shardtrain.format.manifest import Dataset, DatasetError, ShardInfo, open_dataset
+from shardtrain.pack.packer import PackConfig, PackResult, pack
+from shardtrain.load.plan import BucketConfig, plan_epoch
 from shardtrain.world import World  # noqa: E402
 
-_LAZY = {name: "shardtrain.stream" for name in ("Batch", "Loader", "StreamConfig", "StreamError", "build_loader")}
+_LAZY = {name: "shardtrain.load.loader" for name in ("Batch", "Loader", "StreamConfig", "StreamError", "build_loader")}
 __all__ = ["__version__", "BucketConfig", "Dataset", "DatasetError", "PackConfig", "PackResult", "ShardInfo",
            "World", "open_dataset", "pack", "plan_epoch", *sorted(_LAZY)]
 

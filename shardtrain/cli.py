@@ -9,6 +9,8 @@ import argparse
 import logging
 import sys
 
+from shardtrain.format.codecs import CODECS
+
 
 def init_logging(rank: int = 0, verbose: bool = False) -> None:
     """One logging setup for every entry point; non-zero ranks log warnings only."""
@@ -71,7 +73,7 @@ def _add_pack(sub) -> None:
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
                         "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
-    p.add_argument("--codec", default="flac", choices=["flac", "wav", "opus", "mp3"],
+    p.add_argument("--codec", default="flac", choices=CODECS,
                    help="stored audio codec (default: flac)")
     p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
     p.add_argument("--channels", type=int, default=1, help="stored channel count (default: 1)")
@@ -98,7 +100,8 @@ def _add_pack(sub) -> None:
 def _cmd_pack(args) -> int:
     import json
 
-    from shardtrain.pack import PackConfig, PackError, pack
+    from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.pack.shard_task import PackError
 
     try:
         cfg = PackConfig(
@@ -145,8 +148,8 @@ def _add_inspect(sub) -> None:
 def _cmd_inspect(args) -> int:
     import json
 
-    from shardtrain.index import DatasetError, open_dataset
-    from shardtrain.inspect import format_inspect, inspect, problems_to_dicts, verify
+    from shardtrain.format.manifest import DatasetError, open_dataset
+    from shardtrain.pack.verify import format_inspect, inspect, problems_to_dicts, verify
 
     try:
         ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
@@ -184,7 +187,7 @@ def _add_synth(sub) -> None:
                    help="sentences: fortunes when installed (auto), or built-in templates (same on every machine)")
     p.add_argument("--tone", action="store_true",
                    help="speech-like tones instead of espeak-ng speech (no system tools needed; flat layout)")
-    p.add_argument("--fmt", choices=("flac", "wav", "opus", "mp3"), default="flac",
+    p.add_argument("--fmt", choices=CODECS, default="flac",
                    help="audio codec for --tone (speech is always 16 kHz FLAC)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_synth)
@@ -198,7 +201,8 @@ def _cmd_synth(args) -> int:
     import numpy as np
     import soundfile as sf
 
-    from shardtrain.testing import make_corpus, synth_speech_corpus
+    from shardtrain.testing.corpus import make_corpus
+    from shardtrain.testing.speech import synth_speech_corpus
 
     if args.n < 1:
         raise SystemExit("--n must be >= 1")
@@ -258,9 +262,9 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args) -> int:
     import json
 
-    from shardtrain.bench import BenchConfig, bench_loader
-    from shardtrain.plan import BucketConfig
-    from shardtrain.stream import StreamConfig
+    from shardtrain.load.bench import BenchConfig, bench_loader
+    from shardtrain.load.plan import BucketConfig
+    from shardtrain.load.config import StreamConfig
     from shardtrain.world import World
 
     stream = StreamConfig(
@@ -270,9 +274,10 @@ def _cmd_bench(args) -> int:
         num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir,
         pcm_dtype=args.pcm_dtype)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
-                        device=args.device, augment=args.augment)
+                        device=args.device)
     out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
-                       stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option))
+                       stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
+                       make_augment=_bench_augmenter(args.device) if args.augment else None)
     if args.json:
         print(json.dumps(out))
     else:
@@ -282,6 +287,17 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _bench_augmenter(device: str):
+    """`bench --augment`: the trainer's default augmentation + log-mel chain, built at the dataset's rate."""
+    def make(sample_rate_hz: int):
+        from shardtrain.train.augment import AugmentConfig, DeviceAugment
+        from shardtrain.train.features import FeatureConfig
+
+        aug = DeviceAugment(AugmentConfig(), FeatureConfig(), sample_rate_hz).to(device)
+        return lambda waves, lengths, gen: aug(waves, lengths, gen, train=True)
+    return make
+
+
 # ---- train (owner: train) -----------------------------------------------------------------------
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model (one process or under torchrun)",
@@ -289,7 +305,7 @@ def _add_train(sub) -> None:
                                    "come from its environment; on a torchrun restart the run resumes by itself.")
     p.add_argument("--data", required=True, help="training dataset URL (path, file://, s3://)")
     p.add_argument("--val-data", default="", help="validation dataset URL (omit to skip validation)")
-    p.add_argument("--pipeline", default="tiny_cpu", help="preset in pipelines/ (e.g. tiny_cpu, librispeech_base)")
+    p.add_argument("--pipeline", default="tiny_cpu", help="preset: a name in pipelines/ (tiny_cpu, librispeech_base), module:function, or path/file.py:function")
     p.add_argument("--max-steps", type=int, default=None, help="optimiser steps (overrides the preset)")
     p.add_argument("--out", required=True, help="run directory: config.json, metrics.jsonl, checkpoints/")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -306,8 +322,8 @@ def _cmd_train(args) -> int:
     import os
 
     from pipelines import load_pipeline
-    from shardtrain.overrides import apply_overrides
-    from shardtrain.train import train
+    from shardtrain.train.overrides import apply_overrides
+    from shardtrain.train.loop import train
     from shardtrain.world import World
 
     world = World.from_env()
@@ -368,9 +384,8 @@ def _cmd_augment_demo(args) -> int:
     import soundfile
     import torch
 
-    from shardtrain.augment import (AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig,
-                                    SpeedConfig)
-    from shardtrain.features import FeatureConfig, log_mel
+    from shardtrain.train.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig, SpeedConfig
+    from shardtrain.train.features import FeatureConfig, log_mel
 
     if args.n < 1:
         raise SystemExit("--n must be >= 1")
@@ -383,7 +398,7 @@ def _cmd_augment_demo(args) -> int:
         names = bank.names
         waves, lengths = bank.waves, bank.lengths
     else:
-        from shardtrain.testing import synth_wave
+        from shardtrain.testing.corpus import synth_wave
 
         clips = [torch.from_numpy(synth_wave(args.duration_s * (1.0 - 0.15 * i), rate, seed=args.seed + i))
                  for i in range(args.n)]
@@ -430,10 +445,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardtrain",
         description="Pack speech corpora into shards, stream them, train, and benchmark the loader.",
     )
+    from shardtrain._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"shardtrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_synth, _add_pack, _add_inspect, _add_bench, _add_train, _add_augment_demo):
         add(sub)
+    for p in sub.choices.values():  # `shardtrain pack -v ...` too; SUPPRESS keeps a -v given before the command
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
     return parser
 
 

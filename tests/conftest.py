@@ -11,7 +11,9 @@ import re
 
 import pytest
 
-from shardtrain.testing import LocalS3, make_corpus, synth_speech_corpus
+from shardtrain.testing.s3server import LocalS3
+from shardtrain.testing.corpus import make_corpus
+from shardtrain.testing.speech import synth_speech_corpus
 
 # 30 varied durations (0.2-9.44 s, 139.98 s in all), fixed so tests can hand-check totals and sort orders;
 # 0.2 s appears twice (utt-00000, utt-00029) to exercise the (duration_s, key) tie-break.
@@ -21,7 +23,7 @@ SPEECH_UTTERANCES = 20
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    """A started LocalS3 (SeaweedFS on loopback) shared by the session; see shardtrain.s3local."""
+    """A started LocalS3 (SeaweedFS on loopback) shared by the session; see shardtrain.testing.s3server."""
     try:
         server = LocalS3(tmp_path_factory.mktemp("s3") / "data").start()
     except FileNotFoundError as e:  # weed binary missing

@@ -1,4 +1,4 @@
-"""shardtrain.audio: probe, keep-original, transcode and decode on real audio written and read by soundfile."""
+"""shardtrain.pack.probe, pack.transcode and format.audio: probe, keep-original, transcode and decode on real audio written and read by soundfile."""
 from __future__ import annotations
 
 import io
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from shardtrain.audio import (AudioError, AudioInfo, AudioTarget, decode, encode_for_shard, mp3_walk_samples,
-                              probe)
-from shardtrain.sources import Item
+from shardtrain.format.audio import AudioError, AudioInfo, decode
+from shardtrain.pack.transcode import AudioTarget, encode_for_shard
+from shardtrain.pack.probe import mp3_walk_samples, probe
+from shardtrain.pack.sources import Item
 
 FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "opus": ("OGG", "OPUS"),
            "mp3": ("MP3", "MPEG_LAYER_III")}

@@ -9,10 +9,8 @@ import pytest
 import torch
 import torchaudio
 
-from shardtrain.augment import (AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig,
-                                SpeedConfig, add_noise, apply_gain, resample, resampled_lengths, reverb,
-                                speed_perturb, synthetic_rirs)
-from shardtrain.features import FeatureConfig, SpecAugmentConfig, log_mel, normalize, spec_augment, valid_mask
+from shardtrain.train.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig, SpeedConfig, add_noise, apply_gain, resample, resampled_lengths, reverb, speed_perturb, synthetic_rirs
+from shardtrain.train.features import FeatureConfig, SpecAugmentConfig, log_mel, normalize, spec_augment, valid_mask
 
 RATE = 16000
 
@@ -278,10 +276,9 @@ def test_coloured_bank_shape_determinism_and_colour():
 
 
 def test_noise_bank_from_packed_dataset(tmp_path):
-    pytest.importorskip("shardtrain.audio", reason="shardtrain.audio (pack helper) not written yet")
     import soundfile
 
-    from shardtrain.pack import PackConfig, pack
+    from shardtrain.pack.packer import PackConfig, pack
 
     src = tmp_path / "noise"
     src.mkdir()

@@ -7,10 +7,10 @@ import shutil
 import pytest
 
 from shardtrain import cli
-from shardtrain.index import INDEX_SCHEMA, DatasetError, open_dataset
-from shardtrain.inspect import format_inspect, inspect, verify
-from shardtrain.pack import PackConfig, pack
-from shardtrain.testing import make_corpus
+from shardtrain.format.manifest import INDEX_SCHEMA, DatasetError, open_dataset
+from shardtrain.pack.verify import format_inspect, inspect, verify
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.testing.corpus import make_corpus
 
 
 @pytest.fixture(scope="module")

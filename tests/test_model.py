@@ -6,9 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from shardtrain.model import (SIZES, CTCModel, ModelConfig, SpeechModel, build_model, num_parameters,
-                              subsampled_lengths)
-from shardtrain.text import CharVocab, edit_distance, encode_batch, error_counts, greedy_decode, tokenizer_from_json
+from shardtrain.train.model import SIZES, CTCModel, ModelConfig, SpeechModel, build_model, num_parameters, subsampled_lengths
+from shardtrain.train.text import CharVocab, edit_distance, encode_batch, error_counts, greedy_decode, tokenizer_from_json
 
 SMALL = ModelConfig(d_model=32, num_layers=2, num_heads=2, conv_kernel=5, dropout=0.0)
 
@@ -101,7 +100,7 @@ def test_sentencepiece_missing_package_is_a_clear_error():
     try:
         import sentencepiece  # noqa: F401
     except ImportError:
-        from shardtrain.text import SentencePieceVocab
+        from shardtrain.train.text import SentencePieceVocab
 
         with pytest.raises(RuntimeError, match="pip install sentencepiece"):
             SentencePieceVocab("missing.model")

@@ -15,10 +15,13 @@ import soundfile as sf
 import webdataset as wds
 
 from shardtrain import cli
-from shardtrain.index import open_dataset
-from shardtrain.pack import PackConfig, PackError, pack
-from shardtrain.shards import TEST_KILL_ENV, assign_keys, parse_header, sanitize_key
-from shardtrain.testing import make_corpus, synth_wave
+from shardtrain.format.manifest import open_dataset
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.shard_task import PackError
+from shardtrain import faults
+from shardtrain.pack.keys import assign_keys, sanitize_key
+from shardtrain.format.tar import parse_header
+from shardtrain.testing.corpus import make_corpus, synth_wave
 
 DURS = [0.25 * (1 + (i * 7) % 13) for i in range(30)]  # 0.25 .. 3.25 s, shuffled order, with ties
 
@@ -191,7 +194,7 @@ def test_resume_after_killed_worker(corpus, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "shardtrain", "pack", str(corpus), str(out), "--max-samples-per-shard", "4",
            "--workers", "2", "--no-progress"]
-    env = dict(os.environ, **{TEST_KILL_ENV: "5"})  # the worker that starts shard 5 SIGKILLs itself
+    env = dict(os.environ, **{faults.ENV: "pack.shard=5:kill"})  # the worker that starts shard 5 SIGKILLs itself
     crashed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert crashed.returncode == 2 and "re-run the same command" in crashed.stderr, crashed.stderr
     assert not (out / "manifest.json").exists()  # incomplete: readers refuse it

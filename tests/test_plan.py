@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from shardtrain.plan import BucketConfig, PlanIndex, batch_cost, consumed_rows, cost_s, estimate_bins, plan_epoch
+from shardtrain.load.plan import BucketConfig, PlanIndex, batch_cost, consumed_rows, cost_s, estimate_bins, plan_epoch
 
 
 def fake_index(n: int, seed: int = 0, lo: float = 0.5, hi: float = 20.0, shard_bytes: int = 20_000_000) -> PlanIndex:

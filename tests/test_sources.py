@@ -1,4 +1,4 @@
-"""shardtrain.sources: every input format -> Items/Rejects, auto-detection, and Lhotse segments cut for real."""
+"""shardtrain.pack.sources: every input format -> Items/Rejects, auto-detection, and Lhotse segments cut for real."""
 from __future__ import annotations
 
 import gzip
@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from shardtrain.audio import AudioTarget, decode, encode_for_shard, probe
-from shardtrain.sources import Item, Reject, detect_format, iter_items
+from shardtrain.pack.transcode import AudioTarget, encode_for_shard
+from shardtrain.format.audio import decode
+from shardtrain.pack.probe import probe
+from shardtrain.pack.sources import Item, Reject, detect_format, iter_items
 
 
 def audio(path: Path, duration_s: float = 0.3, rate_hz: int = 16000, seed: int = 0) -> Path:

@@ -68,7 +68,7 @@ def test_cli_storage_options_take_explicit_keys_from_env():
     """Entry points copy an explicit endpoint + keys from AWS_* variables, so the loader can sign S3 URLs itself;
     real AWS (no endpoint variable) and options given on the command line are left to s3fs."""
     from shardtrain.cli import _parse_storage_options
-    from shardtrain.s3http import static_credentials
+    from shardtrain.storage.s3http import static_credentials
 
     env = {"AWS_ACCESS_KEY_ID": "ak", "AWS_SECRET_ACCESS_KEY": "sk", "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
            "AWS_DEFAULT_REGION": "eu-west-1"}

@@ -9,11 +9,13 @@ import psutil
 import pytest
 import torch
 
-from shardtrain.index import open_dataset
-from shardtrain.pack import PackConfig, pack
-from shardtrain.plan import BucketConfig
-from shardtrain.stream import StreamConfig, StreamError, build_loader
-from shardtrain.testing import make_corpus
+from shardtrain.format.manifest import open_dataset
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.load.plan import BucketConfig
+from shardtrain.load.config import StreamConfig
+from shardtrain.load.reader import StreamError
+from shardtrain.load.loader import build_loader
+from shardtrain.testing.corpus import make_corpus
 from shardtrain.world import World
 
 DURS = [0.3 + 0.17 * ((i * 7) % 23) for i in range(90)]

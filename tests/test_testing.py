@@ -1,4 +1,4 @@
-"""Tests of shardtrain.testing / shardtrain.s3local: the generated data and servers other tests rely on."""
+"""Tests of shardtrain.testing (corpus, speech, s3server, proxy): the generated data and servers other tests rely on."""
 from __future__ import annotations
 
 import csv
@@ -12,7 +12,9 @@ import pytest
 import soundfile as sf
 
 from conftest import SPEECH_UTTERANCES, TONE_DURATIONS_S
-from shardtrain.testing import DropProxy, make_corpus, normalize_text, synth_speech_corpus, synth_wave
+from shardtrain.testing.proxy import DropProxy
+from shardtrain.testing.corpus import make_corpus, normalize_text, synth_wave
+from shardtrain.testing.speech import synth_speech_corpus
 
 
 def _read_tsv(path):
@@ -197,7 +199,7 @@ def test_drop_proxy_raw_socket_truncates_at_byte_count():
 
 
 def test_missing_tools_give_install_hints(monkeypatch, tmp_path):
-    from shardtrain import s3local
+    from shardtrain.testing import s3server as s3local
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
@@ -208,7 +210,7 @@ def test_missing_tools_give_install_hints(monkeypatch, tmp_path):
 
 
 def test_local_s3_start_failure_reports_log(tmp_path):
-    from shardtrain.testing import LocalS3
+    from shardtrain.testing.s3server import LocalS3
 
     fake = tmp_path / "weed"
     fake.write_text("#!/bin/sh\necho 'fake weed: cannot start' >&2\nexit 3\n")

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from pipelines import load_pipeline
-from shardtrain import checkpoint as ckpt
-from shardtrain.overrides import apply_overrides
-from shardtrain.pack import PackConfig, pack
-from shardtrain.train import lr_factor, train
+from shardtrain import faults
+from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.overrides import apply_overrides
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.train.loop import lr_factor, train
 from shardtrain.world import World
 
 # A 0.6M-parameter model, no augmentation/dropout unless a test turns them on, every batch = all utterances.
@@ -61,9 +62,9 @@ def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
 
 
 def test_overrides_coerce_by_type_and_name_valid_keys():
-    cfg = apply_overrides(load_pipeline("tiny_cpu"), ["train.betas=0.8,0.9", "train.fail_at_step=none",
+    cfg = apply_overrides(load_pipeline("tiny_cpu"), ["train.betas=0.8,0.9", "train.val_max_batches=none",
                                                       "stream.bucket.max_batch_size=4", "train.augment=off"])
-    assert cfg.train.betas == (0.8, 0.9) and cfg.train.fail_at_step is None
+    assert cfg.train.betas == (0.8, 0.9) and cfg.train.val_max_batches is None
     assert cfg.stream.bucket.max_batch_size == 4 and cfg.train.augment is False
     with pytest.raises(ValueError, match="valid keys here: .*train.max_steps"):
         apply_overrides(cfg, ["train.max_step=3"])
@@ -92,18 +93,19 @@ def test_tiny_model_overfits_a_handful_of_utterances(six_utts, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model"]["d_model"] == 96
 
 
-def test_resume_reproduces_uninterrupted_losses_exactly(six_utts, tmp_path):
+def test_resume_reproduces_uninterrupted_losses_exactly(six_utts, tmp_path, monkeypatch):
     """Augmentation, dropout, grad accumulation and mid-epoch batches on; crash right after the step-3 save."""
     extra = ["train.augment=true", "model.dropout=0.1", "train.grad_accum_steps=2", "stream.bucket.max_batch_seconds=6",
              "stream.bucket.num_buckets=2", "train.log_every_steps=1", "train.ckpt_every_steps=3",
              "train.val_every_steps=3"]
     run(six_utts, tmp_path / "a", 6, *extra)
-    with pytest.raises(RuntimeError, match="injected failure at step 3"):
-        run(six_utts, tmp_path / "b", 6, *extra, "train.fail_at_step=3")
+    monkeypatch.setenv(faults.ENV, "train.step.rank0=3")  # the documented fault seam, armed in this process
+    with pytest.raises(faults.InjectedFault, match="train.step.rank0=3"):
+        run(six_utts, tmp_path / "b", 6, *extra)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "b" / "checkpoints")] == [3]
     with pytest.raises(ValueError, match="--resume"):  # never silently train over an existing run
         run(six_utts, tmp_path / "b", 6, *extra)
-    run(six_utts, tmp_path / "b", 6, *extra, "train.fail_at_step=3", resume=True)  # marker: fails only once
+    run(six_utts, tmp_path / "b", 6, *extra, resume=True)  # still armed: the marker makes it fire only once
     (la, va), (lb, vb) = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in lb] == [1, 2, 3, 4, 5, 6]  # steps logged before the crash are not duplicated
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]  # bit-exact, not approximately equal

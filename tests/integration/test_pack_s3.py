@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
-from shardtrain import cli, storage
-from shardtrain.index import open_dataset
-from shardtrain.inspect import inspect, verify
-from shardtrain.pack import PackConfig, PackError, pack
-from shardtrain.shards import TEST_KILL_ENV
-from shardtrain.testing import DropProxy
+from shardtrain import cli
+from shardtrain import storage
+from shardtrain.format.manifest import open_dataset
+from shardtrain.pack.verify import inspect, verify
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.shard_task import PackError
+from shardtrain import faults
+from shardtrain.testing.proxy import DropProxy
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
@@ -72,7 +74,7 @@ def test_resume_on_s3_after_killed_worker(s3, s3_bucket, tone_corpus):
     url, so = f"{s3_bucket}/ds", s3.storage_options
     cmd = [sys.executable, "-m", "shardtrain", "pack", str(tone_corpus), url, "--max-samples-per-shard", "4",
            "--workers", "2", "--no-progress", *_so_flags(so)]
-    env = {**os.environ, **s3.env, TEST_KILL_ENV: "4"}
+    env = {**os.environ, **s3.env, faults.ENV: "pack.shard=4:kill"}
     crashed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert crashed.returncode == 2, crashed.stderr
     fs = s3.fs()

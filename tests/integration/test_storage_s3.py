@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from shardtrain import s3http, storage
+from shardtrain.storage import s3http
+from shardtrain import storage
 
 pytestmark = pytest.mark.s3
 
@@ -55,7 +56,7 @@ def test_direct_http_resigns_an_expired_url(blob, s3):
 def test_direct_http_reuses_one_connection_per_thread(blob, s3):
     """Consecutive ranged GETs in one thread ride one keep-alive connection (a new TCP connection per piece, or
     a failed reuse that falls back to the retry path, would cost latency on every chunk)."""
-    from shardtrain.s3local import DropProxy
+    from shardtrain.testing.proxy import DropProxy
 
     url, data = blob
     port = int(s3.endpoint_url.rsplit(":", 1)[1])

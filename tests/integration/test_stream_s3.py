@@ -1,12 +1,13 @@
 """The loader against a real SeaweedFS server on loopback, including a connection cut mid-shard."""
 import pytest
 
-from shardtrain import s3http
-from shardtrain.pack import PackConfig, pack
-from shardtrain.plan import BucketConfig
-from shardtrain.s3local import DropProxy
-from shardtrain.stream import StreamConfig, build_loader
-from shardtrain.testing import make_corpus
+from shardtrain.storage import s3http
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.load.plan import BucketConfig
+from shardtrain.testing.proxy import DropProxy
+from shardtrain.load.config import StreamConfig
+from shardtrain.load.loader import build_loader
+from shardtrain.testing.corpus import make_corpus
 from shardtrain.world import World
 
 pytestmark = pytest.mark.s3
@@ -63,8 +64,8 @@ def test_direct_http_loader_never_starts_s3fs(local_and_s3, s3):
     ref, _ = keys_per_batch(local)
     code = (
         "import sys, json\n"
-        "from shardtrain.plan import BucketConfig\n"
-        "from shardtrain.stream import StreamConfig, build_loader\n"
+        "from shardtrain.load.plan import BucketConfig\n"
+        "from shardtrain.load.loader import StreamConfig, build_loader\n"
         "from shardtrain.world import World\n"
         "cfg = StreamConfig(bucket=BucketConfig(max_batch_seconds=10.0, chunk_mb=0.1), epochs=1)\n"
         "loader = build_loader(sys.argv[1], world=World(), seed=0, cfg=cfg, storage_options=json.loads(sys.argv[2]))\n"

@@ -7,17 +7,17 @@ import textwrap
 
 import pytest
 
-from shardtrain.index import open_dataset
-from shardtrain.pack import PackConfig, pack
-from shardtrain.testing import make_corpus
+from shardtrain.format.manifest import open_dataset
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.testing.corpus import make_corpus
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import json, sys
     import torch.distributed as dist
-    from shardtrain.plan import BucketConfig
-    from shardtrain.stream import StreamConfig, build_loader
+    from shardtrain.load.plan import BucketConfig
+    from shardtrain.load.loader import StreamConfig, build_loader
     from shardtrain.world import World
 
     dist.init_process_group("gloo")

@@ -12,8 +12,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from shardtrain.checkpoint import list_checkpoints
-from shardtrain.pack import PackConfig, pack
+from shardtrain import faults
+from shardtrain.train.checkpoint import list_checkpoints
+from shardtrain.pack.packer import PackConfig, pack
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +47,8 @@ def train_cmd(nproc: int | None, data: str, out: Path, *extra: str, restarts: in
     return launcher + args
 
 
-def run_ok(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_ok(cmd: list[str], **env_extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     return res
@@ -83,9 +84,9 @@ def test_two_processes_match_one_process_with_the_same_global_batch(data, two_ra
 
 def test_killed_rank_recovers_from_last_checkpoint_under_max_restarts(data, two_rank_run, tmp_path):
     """Rank 1 raises once after step 3; torchrun restarts both ranks, which resume from step 2 on their own."""
-    res = run_ok(train_cmd(2, data, tmp_path, "train.fail_at_step=3", restarts=1))
-    assert "injected failure at step 3" in res.stderr
-    assert (tmp_path / ".fail_at_step_3.done").is_file()
+    res = run_ok(train_cmd(2, data, tmp_path, restarts=1), **{faults.ENV: "train.step.rank1=3"})
+    assert "injected fault at train.step.rank1=3" in res.stderr
+    assert (tmp_path / ".fault_step_3.done").is_file()
     assert "resumed from" in res.stderr and "step_000002" in res.stderr
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")][-1] == STEPS
     # the recovered run is the uninterrupted run: same losses, bit for bit, each step logged once

@@ -24,8 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from shardtrain import storage
-from shardtrain.index import Dataset
-from shardtrain.shards import BLOCK, iter_tar_members, parse_header
+from shardtrain.format.manifest import Dataset
+from shardtrain.format.tar import BLOCK, iter_tar_members, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def format_inspect(d: dict, max_shard_rows: int = 20) -> str:
 
 
 def _decode_check(key: str, audio: bytes, want_samples: int) -> tuple[str, str] | None:
-    from shardtrain.audio import decode
+    from shardtrain.format.audio import decode
 
     try:
         wave, _ = decode(audio)

@@ -36,8 +36,7 @@ import numpy as np
 import torch
 import torchaudio
 
-from shardtrain.features import (FeatureConfig, SpecAugmentConfig, draw_uniform, log_mel, normalize,
-                                 spec_augment, valid_mask)
+from shardtrain.train.features import FeatureConfig, SpecAugmentConfig, draw_uniform, log_mel, normalize, spec_augment, valid_mask
 
 log = logging.getLogger(__name__)
 
@@ -338,8 +337,8 @@ class NoiseBank:
         decoded, mixed to mono, resampled to `sample_rate_hz`, cut to `max_clip_seconds`; at most `max_clips`
         clips (the augment demo reads its examples this way). Loops over clips once
         at start-up; costs one ranged read per clip."""
-        from shardtrain.index import open_dataset
-        from shardtrain.storage import read_range
+        from shardtrain.format.manifest import open_dataset
+        from shardtrain.storage.fs import read_range
 
         ds = open_dataset(url, storage_options)
         rows = ds.read_index(columns=["key", "shard", "audio_offset", "audio_size"]).to_pylist()
@@ -372,7 +371,7 @@ class NoiseBank:
 
 def _decode(data: bytes) -> tuple[np.ndarray, int]:
     """Mono float32 samples and rate of one audio member (shardtrain.audio.decode, channels averaged)."""
-    from shardtrain.audio import decode
+    from shardtrain.format.audio import decode
 
     wave, rate = decode(data)
     wave = np.asarray(wave, dtype=np.float32)

@@ -10,11 +10,7 @@ Errors never stop the stream unless `strict`: a sample that fails is recorded wi
 """
 from __future__ import annotations
 
-import itertools
 import json
-import os
-import queue
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,12 +20,14 @@ import numpy as np
 import torch
 
 from shardtrain import storage
-from shardtrain.audio import AudioError, decode_into
-from shardtrain.index import Dataset
-from shardtrain.plan import Chunk, PlanIndex
+from shardtrain.format.audio import AudioError, decode_into
+from shardtrain.format.manifest import Dataset
+from shardtrain.load.plan import Chunk, PlanIndex
+from shardtrain.load.pool import OldestFirstPool
+from shardtrain.storage.cache import ShardCache
 
 if TYPE_CHECKING:
-    from shardtrain.stream import StreamConfig
+    from shardtrain.load.config import StreamConfig
 
 ROWS_PER_TASK = 4
 """Rows per decode task: one queue handoff and one Future per 4 rows instead of per row (that bookkeeping runs
@@ -67,94 +65,6 @@ def _byte_runs(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]  # type: ignore[misc]
 
 
-class ShardCache:
-    """Whole remote shards kept on local disk across epochs; LRU by mtime, evicted past `max_bytes`."""
-
-    def __init__(self, root: str, max_bytes: int):
-        self.root, self.max_bytes = root, max_bytes
-        os.makedirs(root, exist_ok=True)
-        self._lock = threading.Lock()
-
-    def path(self, ds: Dataset, shard: int, read_whole) -> str:
-        info = ds.shards[shard]
-        local = os.path.join(self.root, f"{info.sha256[:16]}-{info.name}")
-        if os.path.exists(local) and os.path.getsize(local) == info.bytes:
-            os.utime(local)
-            return local
-        data = read_whole()
-        tmp = f"{local}.tmp{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, local)
-        self._evict()
-        return local
-
-    def _evict(self) -> None:
-        with self._lock:
-            files = [os.path.join(self.root, n) for n in os.listdir(self.root) if n.endswith(".tar")]
-            files.sort(key=lambda p: os.path.getmtime(p))
-            total = sum(os.path.getsize(p) for p in files)
-            while total > self.max_bytes and len(files) > 1:
-                victim = files.pop(0)
-                total -= os.path.getsize(victim)
-                os.remove(victim)
-
-
-class OldestFirstPool:
-    """Decode threads that always take a row of the oldest chunk in flight first.
-
-    A FIFO pool interleaves the rows of the chunks being prefetched, so the next batch waited for its
-    neighbours' decodes too: first batch ~0.05 s with FIFO against ~0.04 s oldest-first (measured locally, 2
-    chunks in flight).
-    Tasks are ordered by (priority, submission order); `shutdown` cancels what has not started.
-    """
-
-    _STOP = (float("inf"), -1, None, None, ())
-
-    def __init__(self, threads: int, name: str):
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
-        self._order = itertools.count()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, priority: int, fn, *args) -> Future:
-        """Queue `fn(*args)`; after `shutdown` raises RuntimeError (a reader still loading then stops, instead of
-        waiting forever on a task no thread will run)."""
-        fut: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("decode pool is shut down")
-            self._q.put((priority, next(self._order), fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            _, _, fut, fn, args = self._q.get()
-            if fut is None:
-                return
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting reader
-                    fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._closed = True
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if item[2] is not None:
-                item[2].cancel()
-        for _ in self._threads:
-            self._q.put(self._STOP)
-
-
 class ChunkReader:
     """Reads and decodes chunks; one per process (built lazily inside each DataLoader worker)."""
 
@@ -172,7 +82,9 @@ class ChunkReader:
         kw = dict(retries=self.cfg.retries, piece_bytes=int(self.cfg.piece_mb * (1 << 20)),
                   backoff_s=self.cfg.retry_backoff_s, direct_http=self.cfg.s3_direct_http)
         if self.cache is not None:
-            url = self.cache.path(self.ds, shard, lambda: storage.read_range(url, 0, None, so, **kw))
+            info = self.ds.shards[shard]
+            url = self.cache.path(info.name, info.sha256, info.bytes,
+                                  lambda: storage.read_range(url, 0, None, so, **kw))
             so = None
         return storage.iter_range(url, start, end, so, allow_short=True, **kw)
 
@@ -223,52 +135,65 @@ class ChunkReader:
         int16, half the bytes through shared memory, converted by the main process. Rows of a lower `order`
         (the chunk's place in the schedule) are decoded first.
         """
-        idx, errors = self.idx, []
+        idx = self.idx
         timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
         wanted = chunk.batches[skip_batches:]
         dtype = np.float32 if as_float else np.int16
         t0 = time.perf_counter()
         padded = [np.zeros((len(b), int(idx.num_samples[b].max()) if len(b) else 0), dtype) for b in wanted]
-        slot = {int(r): (bi, i) for bi, b in enumerate(wanted) for i, r in enumerate(b)}
+        slot = {int(r): padded[bi][i, : int(idx.num_samples[r])] for bi, b in enumerate(wanted) for i, r in enumerate(b)}
         timings["batch"] += time.perf_counter() - t0
         rows = np.sort(np.fromiter(slot, np.int64, len(slot)))
         results: dict[int, tuple] = {}
         futures: list[Future] = []
+        t0 = time.perf_counter()
         for shard, start, end in _byte_runs(idx, rows):
             run_rows = rows[(idx.shard[rows] == shard) & (idx.offset[rows] >= start) & (idx.offset[rows] < end)]
-            ends = idx.offset[run_rows] + idx.size[run_rows] - start
-            buf = bytearray(end - start)
-            view = memoryview(buf)
-            have = nxt = 0
-            t0 = time.perf_counter()
-            try:
-                for piece in self._pieces(shard, start, end):
-                    view[have:have + len(piece)] = piece
-                    have += len(piece)
-                    ready = []
-                    while nxt < len(run_rows) and ends[nxt] <= have:  # this row's bytes are all here
-                        r = int(run_rows[nxt])
-                        bi, i = slot[r]
-                        ready.append((r, padded[bi][i, : int(idx.num_samples[r])]))
-                        nxt += 1
-                    for g in range(0, len(ready), ROWS_PER_TASK):
-                        futures.append(self.decode_pool.submit(order, self._decode_rows, view, start, end - start,
-                                                               ready[g:g + ROWS_PER_TASK]))
-            except OSError as e:
-                if self.cfg.strict:
-                    raise StreamError(f"shard {self.ds.shards[shard].name}: {e}") from e
-                for r in run_rows[nxt:]:
-                    results[int(r)] = (f"row{int(r)}", "", 0, f"shard_read_failed: {e}", 0.0, 0.0)
-                nxt = len(run_rows)
-            finally:
-                timings["read"] += time.perf_counter() - t0
-            for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
-                bi, i = slot[int(r)]
-                results[int(r)] = self._decode(view, start, have, int(r), padded[bi][i, :0])
+            self._read_run(shard, start, end, run_rows, slot, order, futures, results)
+        timings["read"] += time.perf_counter() - t0
         for fut in futures:
             results.update(fut.result())
         t0 = time.perf_counter()
-        out = []
+        out, errors = self._assemble(wanted, padded, results, timings, as_float)
+        timings["batch"] += time.perf_counter() - t0
+        return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
+
+    def _read_run(self, shard: int, start: int, end: int, run_rows: np.ndarray, slot: dict, order: int,
+                  futures: list[Future], results: dict) -> None:
+        """Stream one byte run and hand each row to the decode pool as soon as its bytes have all arrived.
+
+        A row whose bytes never arrive (the read failed after its retries, or the shard ended early) gets its
+        result here: a read failure, or the header check's verdict on the partial bytes (truncated)."""
+        idx = self.idx
+        ends = idx.offset[run_rows] + idx.size[run_rows] - start
+        buf = bytearray(end - start)
+        view = memoryview(buf)
+        have = nxt = 0
+        try:
+            for piece in self._pieces(shard, start, end):
+                view[have:have + len(piece)] = piece
+                have += len(piece)
+                ready = []
+                while nxt < len(run_rows) and ends[nxt] <= have:  # this row's bytes are all here
+                    r = int(run_rows[nxt])
+                    ready.append((r, slot[r]))
+                    nxt += 1
+                for g in range(0, len(ready), ROWS_PER_TASK):
+                    futures.append(self.decode_pool.submit(order, self._decode_rows, view, start, end - start,
+                                                           ready[g:g + ROWS_PER_TASK]))
+        except OSError as e:
+            if self.cfg.strict:
+                raise StreamError(f"shard {self.ds.shards[shard].name}: {e}") from e
+            for r in run_rows[nxt:]:
+                results[int(r)] = (f"row{int(r)}", "", 0, f"shard_read_failed: {e}", 0.0, 0.0)
+            nxt = len(run_rows)
+        for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
+            results[int(r)] = self._decode(view, start, have, int(r), slot[int(r)][:0])
+
+    def _assemble(self, wanted: list[np.ndarray], padded: list[np.ndarray], results: dict, timings: dict,
+                  as_float: bool) -> tuple[list[tuple], list[dict]]:
+        """Decoded rows -> batch tuples (pcm, lengths, keys, texts, durations); failed rows are dropped and listed."""
+        idx, out, errors = self.idx, [], []
         for bi, batch_rows in enumerate(wanted):
             keep, lengths, keys, texts, durs = [], [], [], [], []
             for i, r in enumerate(batch_rows):
@@ -292,5 +217,4 @@ class ChunkReader:
             # from a worker process, a torch tensor crosses to the trainer through shared memory (no pipe copy)
             out.append((pcm if as_float else torch.from_numpy(pcm), np.array(lengths, dtype=np.int64), keys, texts,
                         np.array(durs, dtype=np.float64)))
-        timings["batch"] += time.perf_counter() - t0
-        return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
+        return out, errors

@@ -10,6 +10,8 @@ would do if that stage ran alone).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import os
 import threading
 import time
@@ -18,7 +20,9 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from shardtrain.stream import StreamConfig, build_loader, pcm_to_float
+from shardtrain.load.config import StreamConfig
+from shardtrain.load.loader import build_loader
+from shardtrain.load.batch import pcm_to_float
 from shardtrain.world import World
 
 
@@ -32,8 +36,6 @@ class BenchConfig:
     """Simulated trainer compute per batch; > 0 reports data_wait_pct."""
     device: str = "cpu"
     """Copy batches to this device ("cuda" measures host-to-device)."""
-    augment: bool = False
-    """Run the device augmentation + log-mel chain on each batch (stage "augment")."""
 
     def __post_init__(self) -> None:
         if self.epochs is None and self.max_batches is None:
@@ -95,69 +97,51 @@ def steady_rate(audio_s: float, first_audio_s: float, wall_s: float, first_batch
     return round((audio_s - first_audio_s) / (wall_s - first_batch_s), 1)
 
 
+Augmenter = Callable[[torch.Tensor, torch.Tensor, torch.Generator], object]
+"""(waves [B, T] float32 on `device`, lengths [B], generator) -> anything; timed as stage "augment"."""
+
+
+@dataclass(slots=True)
+class _Tally:
+    samples: int = 0
+    batches: int = 0
+    audio_s: float = 0.0
+    real: float = 0.0
+    padded: float = 0.0
+    wait_s: float = 0.0
+    first_batch_s: float | None = None
+    first_audio_s: float = 0.0
+
+
 def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, bench: BenchConfig,
-                 storage_options: dict | None = None) -> dict:
-    """Run the loader and return one flat dict of figures (JSON-able)."""
+                 storage_options: dict | None = None,
+                 make_augment: Callable[[int], Augmenter] | None = None) -> dict:
+    """Run the loader and return one flat dict of figures (JSON-able).
+
+    `make_augment(sample_rate_hz)` builds the device chain to time per batch (the CLI passes the trainer's
+    DeviceAugment with `--augment`); it is called once the dataset's sample rate is known. The loader room
+    does not import the trainer, so the chain comes in from above."""
     stream = replace(stream, epochs=bench.epochs)
-    aug = None
     stages = {"h2d": 0.0, "augment": 0.0}
-    samples = batches = 0
-    audio_s = real = padded = wait_s = 0.0
-    first_batch_s = None
-    first_audio_s = 0.0
-    gen = torch.Generator(device=bench.device).manual_seed(seed)
+    tally = _Tally()
     with RssSampler() as rss:
         t_start = time.perf_counter()
         loader = build_loader(url, world=world, seed=seed, cfg=stream, storage_options=storage_options)
-        if bench.augment:  # built once the dataset's sample rate is known
-            from shardtrain.augment import AugmentConfig, DeviceAugment, FeatureConfig
-
-            aug = DeviceAugment(AugmentConfig(), FeatureConfig(), loader.sample_rate_hz).to(bench.device)
-        it = iter(loader)
-        while bench.max_batches is None or batches < bench.max_batches:
-            t0 = time.perf_counter()
-            try:
-                batch, _state = next(it)
-            except StopIteration:
-                break
-            t1 = time.perf_counter()
-            wait_s += t1 - t0
-            if first_batch_s is None:
-                first_batch_s = t1 - t_start
-                first_audio_s = float(batch.durations_s.sum())
-            waves, lengths = batch.waves, batch.lengths
-            if bench.device != "cpu":
-                waves = waves.to(bench.device, non_blocking=True)
-                lengths = lengths.to(bench.device, non_blocking=True)
-            if bench.device != "cpu" or aug is not None:
-                waves = pcm_to_float(waves)  # pcm_dtype="int16": on the device, as the trainer does
-            if bench.device != "cpu":
-                torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            stages["h2d"] += t2 - t1
-            if aug is not None and len(batch):
-                aug(waves, lengths, gen, train=True)
-                if bench.device != "cpu":
-                    torch.cuda.synchronize()
-            stages["augment"] += time.perf_counter() - t2
-            if bench.step_ms > 0:
-                time.sleep(bench.step_ms / 1000.0)
-            batches += 1
-            samples += len(batch)
-            audio_s += float(batch.durations_s.sum())
-            real += float(batch.lengths.sum())
-            padded += float(batch.waves.numel())
+        aug = make_augment(loader.sample_rate_hz) if make_augment is not None else None
+        _drain(loader, bench, aug, torch.Generator(device=bench.device).manual_seed(seed), tally, stages, t_start)
         wall = time.perf_counter() - t_start
         stats = loader.stats()
         stage_s = {**loader.stage_s, **stages}
+    audio_s, samples = tally.audio_s, tally.samples
     out = {
         "samples": samples, "audio_seconds": round(audio_s, 3), "wall_seconds": round(wall, 3),
         "samples_per_s": round(samples / wall, 2), "audio_s_per_s": round(audio_s / wall, 1),
-        "padding_efficiency": round(real / padded, 4) if padded else None, "batches": batches,
-        "first_batch_s": round(first_batch_s or 0.0, 3), "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
-        "steady_audio_s_per_s": steady_rate(audio_s, first_audio_s, wall, first_batch_s),
+        "padding_efficiency": round(tally.real / tally.padded, 4) if tally.padded else None,
+        "batches": tally.batches, "first_batch_s": round(tally.first_batch_s or 0.0, 3),
+        "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
+        "steady_audio_s_per_s": steady_rate(audio_s, tally.first_audio_s, wall, tally.first_batch_s),
         "skipped": stats["skipped"], "too_long": stats["too_long"],
-        "data_wait_pct": round(100.0 * wait_s / wall, 2) if bench.step_ms > 0 else None,
+        "data_wait_pct": round(100.0 * tally.wait_s / wall, 2) if bench.step_ms > 0 else None,
         "workers": stream.num_workers, "decode_threads": stream.decode_threads,
         "world_size": world.world_size, "rank": world.rank,
         "max_batch_seconds": stream.bucket.max_batch_seconds,
@@ -166,3 +150,45 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
         out[f"stage_{k}_s"] = round(v, 3)
         out[f"stage_{k}_audio_s_per_s"] = round(audio_s / v, 1) if v > 0 else None
     return out
+
+
+def _drain(loader, bench: BenchConfig, aug: Augmenter | None, gen: torch.Generator, tally: _Tally,
+           stages: dict, t_start: float) -> None:
+    """Pull batches as a trainer would: copy to the device, augment, 'compute' for step_ms; count everything."""
+    it = iter(loader)
+    while bench.max_batches is None or tally.batches < bench.max_batches:
+        t0 = time.perf_counter()
+        try:
+            batch, _state = next(it)
+        except StopIteration:
+            break
+        t1 = time.perf_counter()
+        tally.wait_s += t1 - t0
+        if tally.first_batch_s is None:
+            tally.first_batch_s = t1 - t_start
+            tally.first_audio_s = float(batch.durations_s.sum())
+        waves, lengths = batch.waves, batch.lengths
+        if bench.device != "cpu":
+            waves = waves.to(bench.device, non_blocking=True)
+            lengths = lengths.to(bench.device, non_blocking=True)
+        if bench.device != "cpu" or aug is not None:
+            waves = pcm_to_float(waves)  # pcm_dtype="int16": on the device, as the trainer does
+        if bench.device != "cpu":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        stages["h2d"] += t2 - t1
+        if aug is not None and len(batch):
+            aug(waves, lengths, gen)
+            if bench.device != "cpu":
+                torch.cuda.synchronize()
+        stages["augment"] += time.perf_counter() - t2
+        if bench.step_ms > 0:
+            time.sleep(bench.step_ms / 1000.0)
+        tally.batches += 1
+        tally.samples += len(batch)
+        tally.audio_s += float(batch.durations_s.sum())
+        tally.real += float(batch.lengths.sum())
+        tally.padded += float(batch.waves.numel())
+    close = getattr(it, "close", None)
+    if close is not None:  # stop the prefetch threads now when max_batches ended the run early
+        close()

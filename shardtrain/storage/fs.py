@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import fsspec
 
-from shardtrain import s3http
+from shardtrain.storage import s3http
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ class CharVocab:
     @classmethod
     def from_index(cls, url: str, storage_options: dict | None = None) -> "CharVocab":
         """Read only the text column of the dataset's index.parquet (no audio is opened)."""
-        from shardtrain.index import open_dataset
+        from shardtrain.format.manifest import open_dataset
 
         table = open_dataset(url, storage_options).read_index(columns=["text"])
         vocab = cls.from_texts(table.column("text").to_pylist())

@@ -24,18 +24,19 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from shardtrain import storage
-from shardtrain.index import Dataset, open_dataset
-from shardtrain.plan import (PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s,
-                             plan_epoch)
-from shardtrain.reader import ChunkBatches, ChunkReader, StreamError
+from shardtrain.format.manifest import Dataset, open_dataset
+from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s, plan_epoch
+from shardtrain.load.reader import ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
+from shardtrain.load.batch import Batch
+from shardtrain.load.config import StreamConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,78 +44,6 @@ STATE_VERSION = 1
 PRESIGN_AHEAD = 1024
 """Shards signed in the main process before DataLoader workers fork (~0.25 ms each), so a worker needs no S3
 client of its own to start; later shards are signed in the worker when first read."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StreamConfig:
-    bucket: BucketConfig = field(default_factory=BucketConfig)
-    """Batch budget and bucketing (see plan.BucketConfig)."""
-    epochs: int | None = None
-    """Stop after this many epochs; None repeats forever (the trainer stops on max_steps)."""
-    num_workers: int = 0
-    """DataLoader worker processes. 0 decodes in threads of the main process (fastest on few cores)."""
-    decode_threads: int = 3
-    """Decode threads per process. Decoding runs without the GIL (audio.decode_into), so threads scale with cores;
-    one more thread than cores fills the short GIL-held gaps (2 cores: 3 threads ~+5% over 2)."""
-    prefetch_chunks: int = 2
-    """Chunks read and decoded ahead per process; memory ~ prefetch_chunks x batches_per_chunk decoded batches."""
-    retries: int = 5
-    """Retries of a failed read (exponential backoff, resumed at the byte reached) before the chunk is skipped."""
-    retry_backoff_s: float = 0.2
-    """First backoff delay; doubles per consecutive failure."""
-    piece_mb: float = 8.0
-    """Bytes per storage request inside a chunk read."""
-    s3_direct_http: bool = True
-    """Read s3:// shards through presigned URLs over plain HTTP connections (about a quarter of s3fs's CPU per
-    byte, and no event loop competing with the decode threads); False reads through s3fs."""
-    strict: bool = False
-    """Raise on the first corrupt sample or failed shard instead of skipping and recording it."""
-    cache_dir: str | None = None
-    """Local folder caching whole remote shards across epochs (LRU); None disables."""
-    cache_max_gb: float = 50.0
-    """Size cap of `cache_dir`; least recently used shards are evicted past it."""
-    max_error_keys: int = 1000
-    """Skipped keys kept in stats/state (counts are always exact)."""
-    pcm_dtype: str = "float32"
-    """Batch.waves dtype: "float32" in [-1, 1), or "int16" (raw PCM; half the host memory traffic, ~10% more
-    throughput on 2 cores; the trainer converts on the device)."""
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 0:
-            raise ValueError("stream.num_workers must be >= 0")
-        if self.decode_threads < 1:
-            raise ValueError("stream.decode_threads must be >= 1")
-        if self.prefetch_chunks < 1:
-            raise ValueError("stream.prefetch_chunks must be >= 1")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError("stream.epochs must be >= 1 or None")
-        if self.pcm_dtype not in ("float32", "int16"):
-            raise ValueError(f"stream.pcm_dtype must be 'float32' or 'int16', got {self.pcm_dtype!r}")
-
-
-@dataclass(slots=True)
-class Batch:
-    waves: torch.Tensor
-    """float32 [B, T] in [-1, 1) (int16 PCM with stream.pcm_dtype="int16"), zero-padded past each length."""
-    lengths: torch.Tensor
-    """int64 [B], samples."""
-    keys: list[str]
-    texts: list[str]
-    durations_s: torch.Tensor
-    """float64 [B]."""
-    sample_rate_hz: int
-    epoch: int
-    step: int
-    """Index of this batch within its epoch."""
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
-def pcm_to_float(waves: torch.Tensor) -> torch.Tensor:
-    """Batch.waves as float32 in [-1, 1): int16 batches (`pcm_dtype="int16"`) are converted where they are,
-    normally on the training device after the copy; float32 ones pass through."""
-    return waves.float().mul_(1.0 / 32768.0) if waves.dtype == torch.int16 else waves
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -207,8 +136,7 @@ class Loader:
         self.sample_rate_hz = int(rates[0]) if len(rates) else 16000
         self.idx = PlanIndex.from_table(table)
         self.fingerprint = self.idx.fingerprint()
-        self.counters = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0,
-                         "dropped_for_equal_steps": 0}
+        self.counters = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0}
         self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
         """Seconds per stage, summed over threads and workers (not part of the state: not reproducible)."""
         self.skipped_keys: list[dict] = []

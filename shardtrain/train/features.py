@@ -43,7 +43,7 @@ class FeatureConfig:
     """FFT size in samples; None = the next power of two >= the window (512 at 16 kHz)."""
     normalize: str = "utterance"
     """"utterance": per-utterance, per-bin mean/variance over its true frames (CMVN); "global": subtract
-    `global_mean` and divide by `global_std` (fixed stats, e.g. from `feature_stats` on a few batches);
+    `global_mean` and divide by `global_std` (fixed per-bin stats of the corpus);
     "none": raw log-mel."""
     global_mean: tuple[float, ...] | None = None
     """Global mean per mel bin (n_mels values) or one value for all bins; required when normalize="global"."""
@@ -177,15 +177,6 @@ def normalize(feats: torch.Tensor, feat_lengths: torch.Tensor, cfg: FeatureConfi
     mean = (feats * valid).sum(1, keepdim=True) / n
     var = (((feats - mean) * valid) ** 2).sum(1, keepdim=True) / n
     return (feats - mean) / var.sqrt().clamp_min(1e-5) * valid
-
-
-def feature_stats(feats: torch.Tensor, feat_lengths: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-bin mean and std over the true frames of some un-normalised batches, for normalize="global"."""
-    valid = valid_mask(feat_lengths, feats.shape[1])[:, :, None]
-    n = valid.sum().clamp(min=1)
-    mean = (feats * valid).sum((0, 1)) / n
-    std = ((((feats - mean) * valid) ** 2).sum((0, 1)) / n).sqrt()
-    return tuple(mean.tolist()), tuple(std.clamp_min(1e-5).tolist())
 
 
 def _mask_spans(generator: torch.Generator, n_masks: int, max_width: torch.Tensor, extent: torch.Tensor,

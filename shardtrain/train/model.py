@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardtrain.text import greedy_decode
+from shardtrain.train.text import greedy_decode
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -256,11 +256,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, n_mels: int) -> nn.Module:
 
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def min_frames_for(target_len: int) -> int:
-    """Feature frames an utterance needs so CTC can emit `target_len` tokens (4x subsampling, no repeats)."""
-    return 4 * target_len + 3
 
 
 __all__: Sequence[str] = ("ModelConfig", "SIZES", "SpeechModel", "CTCModel", "build_model", "num_parameters")

@@ -18,7 +18,6 @@ folder holding the manifest.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import os
@@ -27,151 +26,17 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
+from shardtrain.testing.corpus import _sub_seed, pseudo_sentence, write_manifests
+from shardtrain.testing.corpus import normalize_text
 
-from shardtrain.s3local import DropProxy, LocalS3, find_weed  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
-
-# soundfile (format, subtype) and file extension per codec name; "ogg" is an alias of opus (Ogg container).
-_FORMATS = {
-    "wav": ("WAV", "PCM_16", "wav"),
-    "flac": ("FLAC", "PCM_16", "flac"),
-    "opus": ("OGG", "OPUS", "opus"),
-    "ogg": ("OGG", "OPUS", "opus"),
-    "mp3": ("MP3", "MPEG_LAYER_III", "mp3"),
-}
-_OPUS_RATES_HZ = (8000, 12000, 16000, 24000, 48000)
-
-_WORDS = {
-    "adj": "quiet bright little old young green cold warm heavy gentle silent early happy narrow distant "
-           "simple strange golden wooden broken careful honest patient steady".split(),
-    "noun": "river garden window captain morning letter village teacher station mountain kitchen shadow "
-            "doctor engine island market pocket summer harbour lantern forest student bridge painter".split(),
-    "verb": "watched carried followed opened painted found remembered answered crossed visited cleaned "
-            "described noticed reached gathered borrowed lifted".split(),
-    "prep": "near behind beside under across above toward past".split(),
-    "adv": "slowly quickly quietly suddenly carefully again never always".split(),
-    "name": "anna thomas mary james helen peter clara william sarah george".split(),
-}
-_TEMPLATES = (
-    "the {adj} {noun} {verb} the {noun} {prep} the {noun}",
-    "{name} {verb} a {adj} {noun} {adv}",
-    "we {verb} the {noun} {prep} the {adj} {noun} and then we {verb} it {adv}",
-    "{name} said that the {noun} was {adj}",
-    "it was {adj} when {name} {verb} the {noun}",
-    "they {adv} {verb} the {adj} {noun} {prep} the old {noun} by the {noun}",
-    "the {noun} is {adj}",
-    "{name} and {name} {verb} the {noun} {prep} a {adj} {noun} before the {noun} was {adj} again",
-    "don't forget the {adj} {noun}",
-)
-
-
-def synth_wave(duration_s: float, sample_rate_hz: int = 16000, seed: int = 0) -> np.ndarray:
-    """Speech-like mono float32 wave of round(duration_s * rate) samples, peak about 0.3.
-
-    A gliding f0 (90-240 Hz, 3% vibrato, slow intonation drift) with 5 decaying harmonics, shaped by a 3-5 Hz
-    syllable envelope, plus noise at -35 dB: codecs and features behave roughly as on speech, not as on a pure
-    sine. Deterministic in (duration_s, sample_rate_hz, seed).
-    """
-    if duration_s < 0 or sample_rate_hz <= 0:
-        raise ValueError(f"synth_wave: duration_s must be >= 0 and sample_rate_hz > 0, got {duration_s}, "
-                         f"{sample_rate_hz}")
-    rng = np.random.default_rng(seed)
-    n = int(round(duration_s * sample_rate_hz))
-    t = np.arange(n) / sample_rate_hz
-    f0 = rng.uniform(90, 240)
-    vibrato = 1 + 0.03 * np.sin(2 * np.pi * rng.uniform(4, 7) * t + rng.uniform(0, 2 * np.pi))
-    drift = 1 + 0.08 * np.sin(2 * np.pi * rng.uniform(0.2, 0.6) * t + rng.uniform(0, 2 * np.pi))
-    phase = 2 * np.pi * np.cumsum(f0 * vibrato * drift) / sample_rate_hz
-    wave = np.zeros(n)
-    for k in range(1, 6):
-        wave += rng.uniform(0.5, 1.0) / k * np.sin(k * phase + rng.uniform(0, 2 * np.pi))
-    wave *= 0.25 + 0.75 * np.abs(np.sin(np.pi * rng.uniform(3, 5) * t + rng.uniform(0, np.pi)))
-    peak = np.abs(wave).max() if n else 1.0
-    wave = 0.3 * wave / max(peak, 1e-9) + 0.005 * rng.standard_normal(n)
-    fade = min(n // 2, int(0.01 * sample_rate_hz))
-    if fade:
-        ramp = np.linspace(0.0, 1.0, fade)
-        wave[:fade] *= ramp
-        wave[n - fade:] *= ramp[::-1]
-    return wave.astype(np.float32)
-
-
-def pseudo_sentence(rng: np.random.Generator) -> str:
-    """A plain English sentence from built-in templates, normalised like LibriSpeech."""
-    template = _TEMPLATES[int(rng.integers(len(_TEMPLATES)))]
-    text = re.sub(r"\{(\w+)\}", lambda m: str(rng.choice(_WORDS[m.group(1)])), template)
-    return normalize_text(text)
-
-
-def normalize_text(text: str) -> str:
-    """LibriSpeech-style transcript: UPPERCASE letters, in-word apostrophes and single spaces only."""
-    text = re.sub(r"[^A-Z']+", " ", text.upper())
-    words = (w.strip("'") for w in text.split())
-    return " ".join(w for w in words if w)
-
-
-def _sub_seed(seed: int, i: int) -> int:
-    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
-
-
-def write_manifests(root: Path, rows: Sequence[tuple[str, str, str]]) -> None:
-    """`manifest.tsv` (header + path, text, speaker) and `manifest.jsonl` in `root`; paths relative to root."""
-    with open(root / "manifest.tsv", "w", encoding="utf-8") as f:
-        f.write("path\ttext\tspeaker\n")
-        for path, text, speaker in rows:
-            f.write(f"{path}\t{text}\t{speaker}\n")
-    with open(root / "manifest.jsonl", "w", encoding="utf-8") as f:
-        for path, text, speaker in rows:
-            f.write(json.dumps({"path": path, "text": text, "speaker": speaker}, sort_keys=True) + "\n")
-
-
-def make_corpus(
-    dir: str | os.PathLike,
-    durations_s: Sequence[float],
-    *,
-    sample_rate_hz: int = 16000,
-    fmt: str = "flac",
-    channels: int = 1,
-    seed: int = 0,
-    text_fn: Callable[[int], str] | None = None,
-) -> Path:
-    """Write `utt-00000.<ext>` + `utt-00000.txt` per duration, plus manifest.tsv/.jsonl; returns the folder.
-
-    fmt: wav | flac | opus (alias ogg; Ogg container, extension .opus) | mp3. wav and flac are byte-identical for
-    the same arguments; opus/mp3 decode to a slightly different length (codec pre-skip/padding) and their bytes
-    depend on the libsndfile build. Speakers cycle spk0..spk2. text_fn(i) overrides the pseudo-sentences.
-    """
-    if fmt not in _FORMATS:
-        raise ValueError(f"make_corpus: fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
-    major, subtype, ext = _FORMATS[fmt]
-    if ext == "opus" and sample_rate_hz not in _OPUS_RATES_HZ:
-        raise ValueError(f"make_corpus: opus needs sample_rate_hz in {_OPUS_RATES_HZ}, got {sample_rate_hz}")
-    if channels < 1:
-        raise ValueError("make_corpus: channels must be >= 1")
-    root = Path(dir)
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, duration_s in enumerate(durations_s):
-        sub = _sub_seed(seed, i)
-        chans = [synth_wave(duration_s, sample_rate_hz, seed=sub + c) for c in range(channels)]
-        wave = chans[0] if channels == 1 else np.stack(chans, axis=1)
-        name = f"utt-{i:05d}"
-        sf.write(root / f"{name}.{ext}", wave, sample_rate_hz, format=major, subtype=subtype)
-        text = text_fn(i) if text_fn is not None else pseudo_sentence(np.random.default_rng(sub))
-        text = " ".join(text.split())  # no tabs/newlines: they would break the TSV
-        (root / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
-        rows.append((f"{name}.{ext}", text, f"spk{i % 3}"))
-    write_manifests(root, rows)
-    log.info("make_corpus: %d %s files, %.1f s of audio in %s", len(rows), ext, float(sum(durations_s)), root)
-    return root
 
 
 # ---- real speech with espeak-ng ------------------------------------------------------------------------------
@@ -351,44 +216,3 @@ def synth_speech_corpus(
     log.info("synth_speech_corpus: %d utterances, %.2f h of audio, %d speakers in %.1f s (%.0f utt/s) -> %s",
              n, total_s / 3600, len({u.speaker for u in plan}), elapsed, n / elapsed, root)
     return root
-
-
-# ---- `python -m shardtrain.testing s3-serve` -----------------------------------------------------------------
-def _serve(dir: Path) -> int:
-    """Run a LocalS3 with data in DIR/data until SIGTERM/SIGINT; writes DIR/env.sh once the server answers."""
-    import signal
-    import threading
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    dir.mkdir(parents=True, exist_ok=True)
-    (dir / "env.sh").unlink(missing_ok=True)
-    with LocalS3(dir / "data", log_path=dir / "weed.log") as s3:
-        lines = [f"export {k}={v}" for k, v in s3.env.items()]
-        tmp = dir / "env.sh.tmp"
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(dir / "env.sh")  # atomic: scripts/s3-server waits for this file
-        print(f"SeaweedFS S3 at {s3.endpoint_url} (started in {s3.start_time_s:.2f} s)", flush=True)
-        while not stop.wait(1.0):
-            if not s3.running:
-                print(f"SeaweedFS exited; log tail:\n{s3.log_tail()}", file=sys.stderr)
-                return 1
-    (dir / "env.sh").unlink(missing_ok=True)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m shardtrain.testing", description="test-data helpers")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("s3-serve", help="run SeaweedFS on loopback in the foreground until SIGTERM")
-    s.add_argument("--dir", required=True, type=Path, help="state folder: data/, weed.log, env.sh")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return _serve(args.dir)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

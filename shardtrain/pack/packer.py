@@ -33,21 +33,15 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from shardtrain import __version__, index, storage
-from shardtrain.shards import (
-    ENCODE_RATIO,
-    PackError,
-    PlannedSample,
-    ShardTask,
-    assign_keys,
-    error_reason,
-    marker_name,
-    write_shard,
-)
+from shardtrain import storage
+from shardtrain._version import __version__
+from shardtrain.format import manifest as index
+from shardtrain.format.codecs import CODECS, ENCODE_RATIO
+from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, error_reason, marker_name, write_shard
+from shardtrain.pack.keys import assign_keys
 
 log = logging.getLogger(__name__)
 
-CODECS = ("flac", "wav", "opus", "mp3")
 WORK = "_work"
 REJECTS = "rejects.jsonl"
 _SAMPLE_OVERHEAD_BYTES = 2048  # two ustar headers + json + padding, for the size estimate only
@@ -192,7 +186,7 @@ def _bar(cfg: PackConfig, **kw) -> tqdm:
 
 
 def _collect(cfg: PackConfig, rejects: _Rejects) -> list:
-    from shardtrain.sources import Item, iter_items
+    from shardtrain.pack.sources import Item, iter_items
 
     items, seen = [], set()
     for x in iter_items(str(cfg.input), cfg.source_format, cfg.storage_options):
@@ -219,7 +213,7 @@ def _kept(cfg: PackConfig, info) -> bool:
 def _probe_one(cfg: PackConfig, item):
     """(AudioInfo, file size or 0) or (exception, None); never raises, so one bad file costs one reject.
     The size costs one extra stat (a HEAD on S3), so it is fetched only for files that will be kept."""
-    from shardtrain.audio import probe
+    from shardtrain.pack.probe import probe
 
     try:
         info = probe(str(item.audio), cfg.storage_options)
@@ -243,7 +237,7 @@ def _probed(cfg: PackConfig, items: list, chunk: int = 4096):
 
 
 def _probe_and_filter(cfg: PackConfig, items: list, keys: dict, rejects: _Rejects) -> list[PlannedSample]:
-    from shardtrain.audio import SEGMENT_TOLERANCE_S
+    from shardtrain.pack.probe import SEGMENT_TOLERANCE_S
 
     planned: list[PlannedSample] = []
     with _bar(cfg, total=len(items), desc="probe", unit="file") as bar:
@@ -342,7 +336,7 @@ def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
 
 def pack(cfg: PackConfig) -> PackResult:
     """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs."""
-    from shardtrain.audio import AudioTarget
+    from shardtrain.pack.transcode import AudioTarget
 
     t0 = time.perf_counter()
     out, so = str(cfg.output).rstrip("/"), cfg.storage_options
@@ -440,7 +434,7 @@ def _run_tasks(cfg: PackConfig, tasks: list[ShardTask]) -> dict[int, dict]:
                 bar.update(len(t.samples))
             return results
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["shardtrain.shards", "shardtrain.audio"])
+        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode"])
         try:
             with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx) as ex:
                 # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.

@@ -1,0 +1,140 @@
+"""Shard format v1 on the byte level: a reproducible ustar writer and a plain tar sample reader.
+
+    write: [(key, ext, audio bytes, json bytes)] -> ShardWriter -> shard-NNNNNN.tar + [MemberOffsets]
+    read:  tar bytes / file object -> iter_tar_samples -> {"__key__": key, "<ext>": bytes, "json": bytes}
+
+Byte-reproducible by construction: every header has mtime 0, uid/gid 0, empty uname/gname, mode 0o644, and the
+plain ustar format (names are <= 80 + 5 chars, so no PAX or GNU long-name records are ever needed); the archive
+ends with tarfile's standard two zero blocks padded to a 10240-byte record. The writer reports where each member's
+header and data lie, which is what index.parquet stores so a reader can slice audio out of a byte range without
+parsing tar. Nothing read from a shard is unpickled or evaluated.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import tarfile
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+from shardtrain.format.codecs import CODECS
+
+BLOCK = 512
+KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberOffsets:
+    """Where one sample lies inside its shard (all byte offsets from the start of the tar)."""
+
+    offset: int
+    """First byte of the audio member's header."""
+    size: int
+    """Bytes from `offset` to the end of the json member's padding (= next sample's offset)."""
+    audio_offset: int
+    audio_size: int
+    json_offset: int
+    json_size: int
+
+
+class _HashingWriter:
+    """File-like wrapper that counts and sha256-hashes what passes through (tarfile only calls write/tell)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.pos = 0
+        self.sha = hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.raw.write(b)
+        self.sha.update(b)
+        self.pos += len(b)
+        return len(b)
+
+    def tell(self) -> int:
+        return self.pos
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mtime = 0
+    ti.mode = 0o644
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    ti.type = tarfile.REGTYPE
+    return ti
+
+
+class ShardWriter:
+    """Write samples (audio member, then json member) to a binary file object as reproducible ustar.
+
+    Use as a context manager; `close()` writes the end-of-archive blocks. `sha256` and `bytes` are valid after
+    close. The caller decides sample order (the packer sorts by (duration_s, key)).
+    """
+
+    def __init__(self, fileobj: BinaryIO) -> None:
+        self._out = _HashingWriter(fileobj)
+        self._tar = tarfile.TarFile(fileobj=self._out, mode="w", format=tarfile.USTAR_FORMAT, encoding="utf-8")
+        self._keys: set[str] = set()
+        self.closed = False
+
+    def add(self, key: str, ext: str, audio: bytes, meta_json: bytes) -> MemberOffsets:
+        if not KEY_RE.match(key):
+            raise ValueError(f"shard key {key!r} must match [A-Za-z0-9_-]{{1,80}}")
+        if ext not in CODECS:
+            raise ValueError(f"audio extension {ext!r} not in {CODECS}")
+        if key in self._keys:
+            raise ValueError(f"duplicate key {key!r} in one shard")
+        self._keys.add(key)
+        offset = self._tar.offset
+        self._tar.addfile(_tarinfo(f"{key}.{ext}", len(audio)), io.BytesIO(audio))
+        json_header = self._tar.offset
+        self._tar.addfile(_tarinfo(f"{key}.json", len(meta_json)), io.BytesIO(meta_json))
+        return MemberOffsets(
+            offset=offset,
+            size=self._tar.offset - offset,
+            audio_offset=offset + BLOCK,
+            audio_size=len(audio),
+            json_offset=json_header + BLOCK,
+            json_size=len(meta_json),
+        )
+
+    def close(self) -> None:
+        if not self.closed:
+            self._tar.close()
+            self.closed = True
+
+    @property
+    def sha256(self) -> str:
+        return self._out.sha.hexdigest()
+
+    @property
+    def bytes(self) -> int:
+        return self._out.pos
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def parse_header(block: bytes) -> tuple[str, int]:
+    """(name, size) of one 512-byte ustar header; raises ValueError when it is not a valid header."""
+    ti = tarfile.TarInfo.frombuf(block, "utf-8", "strict")
+    return ti.name, ti.size
+
+
+def iter_tar_members(fileobj: BinaryIO) -> Iterator[tuple[str, int, bytes]]:
+    """(name, data_offset, data) for each regular member, in file order. Raises tarfile.TarError on damage."""
+    with tarfile.open(fileobj=fileobj, mode="r|") as tf:
+        for ti in tf:
+            if not ti.isreg():
+                continue
+            f = tf.extractfile(ti)
+            data = f.read() if f is not None else b""
+            if len(data) != ti.size:
+                raise tarfile.ReadError(f"member {ti.name} truncated: {len(data)} of {ti.size} bytes")
+            yield ti.name, ti.offset_data, data

@@ -1,0 +1,12 @@
+"""load: a packed dataset -> planned, bucketed batches on every rank, with exact resume. Imports `format`, `storage`.
+
+    config.py   StreamConfig (what the loader does; owns BucketConfig through plan.py)
+    plan.py     the epoch plan: a pure function from index metadata to every rank's chunks and batches
+    pool.py     the decode thread pool that serves the oldest chunk first
+    reader.py   one chunk: ranged reads by index offsets -> decode into batch rows -> ChunkBatches
+    batch.py    Batch (padded waves + lengths + keys/texts) and pcm_to_float
+    loader.py   Loader / build_loader: plan -> reader -> (Batch, state) with resume and elastic re-stripe
+    bench.py    the loader timed per stage (`shardtrain bench`)
+
+Nothing here is imported by `shardtrain/__init__` eagerly, so `shardtrain pack` never loads torch.
+"""

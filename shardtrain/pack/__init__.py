@@ -1,0 +1,14 @@
+"""pack: raw corpora -> shards + index.parquet + manifest.json. Imports `format` and `storage`, never `load`.
+
+    sources.py     input formats (folder, TSV/CSV/JSONL, LibriSpeech, Lhotse cuts) -> Item | Reject
+    probe.py       audio headers -> AudioInfo (duration, rate, channels, codec; exact MP3 lengths)
+    transcode.py   keep original bytes or transcode to the target codec/rate/channels, with a decode check
+    keys.py        sample keys that are safe in tar names and in webdataset (sanitised, de-duplicated)
+    shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process)
+    packer.py      PackConfig and pack(): probe in threads -> global sort -> plan shards -> write in a pool -> commit
+    verify.py      `shardtrain inspect [--verify]`: summaries and integrity checks of a packed dataset
+"""
+from shardtrain.pack.packer import PackConfig, PackResult, pack
+from shardtrain.pack.shard_task import PackError
+
+__all__ = ["PackConfig", "PackError", "PackResult", "pack"]

@@ -1,0 +1,371 @@
+"""Training loop: streamed batches -> device augmentation -> model under DDP -> step -> metrics + checkpoints.
+
+    Loader (batch, state) x grad_accum_steps
+      -> targets via the tokenizer; ONE all-reduce of the token count (the loss denominator across ranks)
+      -> waves.to(device) -> DeviceAugment(generator seeded from (seed, epoch, step, rank)) -> feats
+      -> model (DDP; no_sync on all but the last micro-batch) -> CTC loss summed over tokens
+      -> backward of loss_sum * world_size / global_tokens   (DDP averages gradients, so this is the
+         exact per-token mean over every rank and micro-batch, whatever each rank's batch size)
+      -> unscale, clip, AdamW step, warm-up + cosine lr -> log / validate / checkpoint
+
+One process on CPU:
+    shardtrain train --data shards/train --val-data shards/dev --pipeline tiny_cpu --max-steps 500 --out runs/tiny
+Many GPUs (NCCL), restarting from the last checkpoint when a rank dies:
+    torchrun --nproc_per_node=8 --max-restarts 3 -m shardtrain train --data s3://bucket/librispeech/train \\
+        --val-data s3://bucket/librispeech/dev --pipeline librispeech_base --max-steps 100000 --out /ckpt/ls \\
+        --set train.grad_accum_steps=2 --set train.precision=bf16
+
+Empty batches (every sample of a planned batch failed to decode) still take part in the step: the rank runs
+the model on a half-second silent dummy and multiplies its loss by 0, so DDP's gradient all-reduce always sees
+every rank. If no rank has a single target token in a step, all ranks skip the optimiser step together.
+Resume is bit-exact on CPU: the loader state of the last consumed batch, the torch RNG state of every rank,
+model, optimiser, scheduler and scaler are restored, and augmentation randomness depends only on
+(seed, epoch, step, rank).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from shardtrain import faults
+
+from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
+from shardtrain.train.evaluate import evaluate
+from shardtrain.train.metrics import MetricsLogger
+from shardtrain.train.model import build_model, num_parameters
+from shardtrain.train.overrides import to_dict
+from shardtrain.load.loader import build_loader
+from shardtrain.train.text import CharVocab, SentencePieceVocab, tokenizer_from_json
+from shardtrain.world import World
+from shardtrain.train.config import RunConfig, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr after `step` optimiser steps: linear warm-up, then cosine down to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def augment_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """Augmentation seed of one micro-batch: stable across runs and resumes, distinct per rank and batch."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{step}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _resolve_device(cfg: TrainConfig, world: World) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(world.local_rank)
+    return torch.device("cuda", world.local_rank)
+
+
+def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | None):
+    if cfg.tokenizer == "sentencepiece":
+        return SentencePieceVocab(cfg.sentencepiece_model)
+    # rank 0 reads the text column once and broadcasts the character list (not every rank re-reading it)
+    chars = [CharVocab.from_index(cfg.data_url, storage_options).chars if world.is_main else None]
+    if world.world_size > 1:
+        dist.broadcast_object_list(chars, src=0)
+    return CharVocab(chars[0])
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+
+
+def _init_process_group(backend: str, world: World, attempt: int) -> None:
+    """env:// initialisation, with the store keys of restart `attempt` under their own prefix.
+
+    torchrun restarts keep the agent's TCPStore, so the default group's keys written by the failed attempt are
+    still there: gloo then connects to the dead ranks' ports ("connectFullMesh ... Connection refused"; seen in
+    3 of 4 restarts here), NCCL would read a stale unique id. A per-attempt PrefixStore keeps attempts apart.
+    """
+    if attempt == 0:
+        dist.init_process_group(backend, rank=world.rank, world_size=world.world_size)
+        return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the server
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+                          is_master=not agent_store and world.rank == 0, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"shardtrain/attempt{attempt}/", store),
+                            rank=world.rank, world_size=world.world_size)
+
+
+def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options: dict | None = None,
+          attempt: int = 0) -> dict:
+    """Train per `cfg` as rank `world.rank`; returns the last metrics. Initialises (and later destroys) the
+    process group itself when world_size > 1 and none exists: gloo on CPU, NCCL on CUDA. `attempt` is
+    torchrun's restart count (TORCHELASTIC_RESTART_COUNT, read by the entry point)."""
+    tc = cfg.train
+    if not tc.data_url or not tc.out_dir:
+        raise ValueError("train.data_url (--data) and train.out_dir (--out) are required")
+    device = _resolve_device(tc, world)
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu" and tc.cpu_threads > 0:
+        torch.set_num_threads(tc.cpu_threads)
+    own_pg = world.world_size > 1 and not dist.is_initialized()
+    if own_pg:
+        _init_process_group("nccl" if device.type == "cuda" else "gloo", world, attempt)
+    try:
+        return _train(cfg, world, device, resume, storage_options)
+    finally:
+        torch.set_num_threads(threads_before)
+        if own_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(slots=True)
+class _Run:
+    """Everything a training run carries from step to step (and restores from a checkpoint)."""
+
+    tok: object
+    raw_model: torch.nn.Module
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    step: int = 0
+    best_val: float = math.inf
+    loader_state: dict | None = None
+
+
+def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
+             ckpt_dir: Path) -> _Run:
+    """Build model, optimiser, scheduler and scaler, from the latest checkpoint when resuming."""
+    tc = cfg.train
+    latest = ckpt.latest_checkpoint(ckpt_dir)
+    if latest is not None and not resume:
+        raise ValueError(f"{ckpt_dir.parent} already holds checkpoints ({latest.name}); pass --resume to continue "
+                         "it, or choose a new --out")
+    state = ckpt.load_checkpoint(latest, rank=world.rank, world_size=world.world_size) if resume and latest else None
+    if resume and state is None:
+        log.info("--resume: no checkpoint in %s yet; starting from scratch", ckpt_dir)
+
+    tok = tokenizer_from_json(state["main"]["tokenizer"]) if state else _build_tokenizer(tc, world, storage_options)
+    torch.manual_seed(tc.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
+    raw_model = build_model(cfg.model, len(tok), cfg.features.n_mels).to(device)
+    optimizer = _optimizer(raw_model, tc)
+    run = _Run(tok=tok, raw_model=raw_model, model=raw_model, optimizer=optimizer,
+               scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc)),
+               scaler=torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16"))
+    if state and latest is not None:
+        _load_state(run, state, device)
+        stored, now = state["meta"]["config"], json.loads(json.dumps(to_dict(cfg)))
+        changed = sorted(k for k in stored if stored[k] != now.get(k))
+        if changed:
+            log.warning("resuming %s with a changed config in sections %s", latest.name, changed)
+        log.info("resumed from %s at step %d", latest, run.step)
+    else:
+        torch.manual_seed(tc.seed * 1000 + world.rank)  # dropout streams differ per rank
+    if world.world_size > 1:
+        run.model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+    return run
+
+
+def _load_state(run: _Run, state: dict, device: torch.device) -> None:
+    run.raw_model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["main"]["optimizer"])
+    run.scheduler.load_state_dict(state["main"]["scheduler"])
+    run.scaler.load_state_dict(state["main"]["scaler"])
+    run.step = int(state["main"]["step"])
+    run.best_val = float(state["main"].get("best_val_loss", math.inf))
+    run.loader_state = json.loads(state["rank"]["loader_state"])
+    torch.set_rng_state(state["rank"]["rng_cpu"])
+    if device.type == "cuda" and state["rank"].get("rng_cuda") is not None:
+        torch.cuda.set_rng_state(state["rank"]["rng_cuda"], device)
+
+
+def _write_run_files(cfg: RunConfig, run: _Run, out: Path, world: World, device: torch.device) -> None:
+    """config.json (the resolved config) and vocab.json, on rank 0."""
+    if not world.is_main:
+        return
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(to_dict(cfg), indent=1, sort_keys=True))
+    os.replace(tmp, out / "config.json")
+    (out / "vocab.json").write_text(json.dumps(run.tok.to_json()))
+    log.info("model: %.2fM parameters, vocabulary %d, device %s, world size %d",
+             num_parameters(run.raw_model) / 1e6, len(run.tok), device, world.world_size)
+
+
+def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None) -> dict:
+    tc = cfg.train
+    out = Path(tc.out_dir)
+    comm = Collectives(world, device)
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    comm.barrier()
+    run = _restore(cfg, world, device, resume, storage_options, out / "checkpoints")
+    _write_run_files(cfg, run, out, world, device)
+    metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
+    loader = build_loader(tc.data_url, world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
+                          storage_options=storage_options)
+    batches = iter(loader)
+    augmenters = Augmenters(cfg, device)
+    bar = tqdm(total=tc.max_steps, initial=run.step, dynamic_ncols=True,
+               disable=not (world.is_main and tc.progress and sys.stderr.isatty()))
+    last: dict = {}
+    meter = _Interval()
+    run.model.train()
+    try:
+        while run.step < tc.max_steps:
+            t0 = time.perf_counter()
+            # fork_rng: DataLoader draws a base seed from the global CPU RNG when an iterator starts; keep the
+            # global RNG for dropout only, so a resumed run (new iterator) continues the same dropout stream
+            with torch.random.fork_rng(devices=[]):
+                micro = [next(batches) for _ in range(tc.grad_accum_steps)]
+            meter.wait_s += time.perf_counter() - t0  # time spent fetching is data wait
+            loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
+            run.step += 1
+            bar.update(1)
+            meter.add(loss, global_tokens, sum(float(b.durations_s.sum()) for b, _ in micro))
+            run.loader_state = micro[-1][1]
+            if run.step % tc.log_every_steps == 0 or run.step == tc.max_steps:
+                row = meter.row(run, comm, float(loader.stats()["skipped"]), micro[-1][0].epoch, device)
+                metrics.log(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}")
+                last.update(row)
+            t_pause = time.perf_counter()
+            val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
+            _maybe_checkpoint(cfg, run, world, device, comm, out, val_loss, last)
+            meter.pause_s += time.perf_counter() - t_pause
+            # the fault seam: after any checkpoint of this step, so a test can crash right after a save
+            faults.point(f"train.step.rank{world.rank}", run.step, once_marker=out / f".fault_step_{run.step}.done")
+    finally:
+        batches.close()  # stops the loader's prefetch threads/workers
+        bar.close()
+        metrics.close()
+    return {**last, "step": run.step, "out_dir": str(out)}
+
+
+def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.device, comm: Collectives,
+          augmenters: Augmenters) -> tuple[float, float]:
+    """One optimiser step over `grad_accum_steps` micro-batches; returns (summed loss, global target tokens).
+
+    Costs one all-reduce of the token count before the backward passes, plus DDP's gradient all-reduce."""
+    tc = cfg.train
+    encoded = [to_device(b, device, run.tok) for b, _ in micro]
+    local_tokens = float(sum(e[2].numel() for e in encoded))  # shape only: no device sync
+    (global_tokens,) = comm.sum([local_tokens])  # the loss denominator: every token of every rank
+    loss = 0.0
+    if global_tokens > 0:
+        loss_acc = torch.zeros((), device=device)
+        for i, ((batch, _), (waves, lengths, targets, target_lengths)) in enumerate(zip(micro, encoded)):
+            gen = torch.Generator().manual_seed(augment_seed(tc.seed, batch.epoch, batch.step, world.rank))
+            with torch.no_grad():
+                feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, gen, train=tc.augment)
+            last_micro = i == tc.grad_accum_steps - 1
+            model = run.model
+            sync = contextlib.nullcontext() if last_micro or not isinstance(model, DDP) else model.no_sync()
+            with sync:
+                with autocast(tc, device):
+                    loss_sum, _, _ = model(feats, feat_lengths, targets, target_lengths)
+                if len(batch) == 0:
+                    loss_sum = loss_sum * 0.0  # dummy forward: joins the all-reduce, adds nothing
+                    log.warning("rank %d: empty batch (epoch %d, batch %d): every sample failed to decode; joining "
+                                "step %d with a silent dummy", world.rank, batch.epoch, batch.step, run.step + 1)
+                run.scaler.scale(loss_sum * (world.world_size / global_tokens)).backward()
+            loss_acc += loss_sum.detach().float()
+        if tc.grad_clip_norm > 0:
+            run.scaler.unscale_(run.optimizer)
+            torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), tc.grad_clip_norm)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        loss = float(loss_acc)  # device->host sync once per step
+    else:
+        log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    return loss, global_tokens
+
+
+@dataclass(slots=True)
+class _Interval:
+    """Sums over the steps since the last metrics line; validation and checkpoint time (pause_s) excluded."""
+
+    loss: float = 0.0
+    tokens: float = 0.0
+    audio_s: float = 0.0
+    wait_s: float = 0.0
+    pause_s: float = 0.0
+    t0: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss: float, tokens: float, audio_s: float) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        self.audio_s += audio_s
+
+    def row(self, run: _Run, comm: Collectives, skipped: float, epoch: int, device: torch.device) -> dict:
+        """The metrics line (one all-reduce over ranks), then start a new interval."""
+        loss_g, audio_g, skipped_g = comm.sum([self.loss, self.audio_s, skipped])
+        elapsed = max(time.perf_counter() - self.t0 - self.pause_s, 1e-9)
+        row = {"step": run.step, "loss": loss_g / max(self.tokens, 1.0), "lr": run.scheduler.get_last_lr()[0],
+               "audio_s_per_s": audio_g / elapsed, "data_wait_pct": 100.0 * self.wait_s / elapsed,
+               "skipped": int(skipped_g), "epoch": epoch}
+        if device.type == "cuda":
+            row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        self.loss = self.tokens = self.audio_s = self.wait_s = self.pause_s = 0.0
+        self.t0 = time.perf_counter()
+        return row
+
+
+def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
+                    augmenters: Augmenters, metrics: MetricsLogger, last: dict,
+                    storage_options: dict | None) -> float | None:
+    """Validate every `val_every_steps` and at the end; returns val_loss when it ran."""
+    tc = cfg.train
+    end = run.step == tc.max_steps
+    if not tc.val_data_url or not (end or (tc.val_every_steps and run.step % tc.val_every_steps == 0)):
+        return None
+    with torch.random.fork_rng(devices=[]):  # validation must not shift the training RNG streams
+        res = evaluate(run.raw_model, cfg, world, run.tok, augmenters, device, comm, storage_options)
+    val_loss = res["val_loss"]
+    row = {"step": run.step, **{k: res[k] for k in ("val_loss", "cer", "wer")}}
+    metrics.log(row)
+    last.update(row, val_examples=res["examples"])
+    for ref, hyp in res["examples"]:
+        log.info("step %d  ref: %s\n%s hyp: %s", run.step, ref, " " * 14, hyp)
+        metrics.text("val/example", f"REF: {ref}  \nHYP: {hyp}", run.step)
+    log.info("step %d: val_loss %.4f  CER %.2f%%  WER %.2f%%", run.step, val_loss, 100 * res["cer"], 100 * res["wer"])
+    run.best_val = min(run.best_val, val_loss)
+    return val_loss
+
+
+def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives, out: Path,
+                      val_loss: float | None, last: dict) -> None:
+    """Save every `ckpt_every_steps` and at the end (all ranks take part: each writes its own RNG + loader state)."""
+    tc = cfg.train
+    if not (run.step == tc.max_steps or (tc.ckpt_every_steps and run.step % tc.ckpt_every_steps == 0)):
+        return
+    rank_state = {"rng_cpu": torch.get_rng_state(),
+                  "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                  "loader_state": json.dumps(run.loader_state)}
+    main_state = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+                  "scaler": run.scaler.state_dict(), "step": run.step, "best_val_loss": run.best_val,
+                  "tokenizer": run.tok.to_json()} if world.is_main else None
+    path = ckpt.save_checkpoint(
+        out / "checkpoints", step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
+        rank_state=rank_state, main_state=main_state,
+        model_state=run.raw_model.state_dict() if world.is_main else None,
+        meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time()}, keep_last=tc.keep_last)
+    last["checkpoint"] = str(path)

@@ -1,0 +1,136 @@
+"""The package layout is a rule, not a habit: one direction of imports between the rooms, and no import cycles.
+
+    base (world, faults, _version)  <-  storage  <-  format  <-  {pack, load}  <-  train  <-  cli
+    testing imports only storage (and base); pack and load never import each other.
+
+Checked on the source (AST), so lazy imports inside functions and TYPE_CHECKING imports count too. The first
+test runs the checker on a copy of the tree with a forbidden import added, so a checker that sees nothing fails.
+"""
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "shardtrain"
+BASE = {"world", "faults", "_version"}
+ALLOWED = {  # room -> rooms it may import (besides itself and BASE)
+    "storage": set(),
+    "format": {"storage"},
+    "pack": {"format", "storage"},
+    "load": {"format", "storage"},
+    "train": {"load", "format", "storage"},
+    "testing": {"storage"},
+}
+TOP = {"cli", "__main__", "__init__"}  # entry points: may import any room
+
+
+def _module_name(path: Path, pkg: Path) -> str:
+    rel = path.relative_to(pkg.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path, pkg: Path, module_level_only: bool) -> set[str]:
+    """Dotted shardtrain modules `path` imports (`from shardtrain import x` counts as shardtrain.x)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    if module_level_only:  # module level includes `if`/`try` blocks, but not function bodies or TYPE_CHECKING
+        nodes = [n for top in tree.body if not (isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test))
+                 for n in ([top] if not isinstance(top, (ast.If, ast.Try)) else ast.walk(top))]
+    out = set()
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names if a.name.split(".")[0] == pkg.name}
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.split(".")[0] == pkg.name:
+            for a in n.names:
+                sub = f"{n.module}.{a.name}"
+                out.add(sub if (pkg.parent / (sub.replace(".", "/") + ".py")).exists()
+                        or (pkg.parent / sub.replace(".", "/")).is_dir() else n.module)
+    return out
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def violations(pkg: Path) -> list[str]:
+    """Every import that breaks the room rule, and every import cycle among module-level imports."""
+    bad = []
+    graph: dict[str, set[str]] = {}
+    for path in sorted(pkg.rglob("*.py")):
+        mod = _module_name(path, pkg)
+        room = _room(mod)
+        room = room if (pkg / room).is_dir() or room in BASE else room  # top-level module name
+        for imp in sorted(_imports(path, pkg, module_level_only=False)):
+            target = _room(imp)
+            if target == room or target in BASE or room in TOP:
+                continue
+            if room in BASE:
+                bad.append(f"{mod} imports {imp}: base modules import nothing from shardtrain")
+            elif target not in ALLOWED.get(room, set()):
+                bad.append(f"{mod} imports {imp}: {room} may import only {sorted(ALLOWED.get(room, set()))}")
+        graph[mod] = {i for i in _imports(path, pkg, module_level_only=True) if i != mod}
+    bad += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
+    return bad
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One representative cycle per strongly connected component (iterative DFS)."""
+    seen, out = set(), []
+    for start in graph:
+        stack, path, on = [(start, iter(sorted(graph.get(start, ()))))], [start], {start}
+        if start in seen:
+            continue
+        seen.add(start)
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop()
+                on.discard(path.pop())
+                continue
+            if nxt in on:
+                out.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in seen and nxt in graph:
+                seen.add(nxt)
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                path.append(nxt)
+                on.add(nxt)
+    return out
+
+
+def test_checker_catches_a_forbidden_import_and_a_cycle(tmp_path):
+    pkg = tmp_path / "shardtrain"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    assert violations(pkg) == []
+    with open(pkg / "storage" / "fs.py", "a") as f:  # storage reaching up into the loader
+        f.write("\n\ndef _late():\n    from shardtrain.load.plan import plan_epoch  # noqa\n")
+    (pkg / "load" / "a_mod.py").write_text("from shardtrain.load import b_mod\n")
+    (pkg / "load" / "b_mod.py").write_text("from shardtrain.load import a_mod\n")
+    found = violations(pkg)
+    assert any("shardtrain.storage.fs imports shardtrain.load.plan" in v for v in found), found
+    assert any(v.startswith("import cycle:") and "a_mod" in v and "b_mod" in v for v in found), found
+
+
+def test_pack_and_load_do_not_know_each_other(tmp_path):
+    pkg = tmp_path / "shardtrain"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "pack" / "peek.py").write_text("from shardtrain.load import loader\n")
+    assert any("shardtrain.pack.peek imports shardtrain.load.loader" in v for v in violations(pkg))
+
+
+def test_the_package_follows_the_rule():
+    assert violations(PKG) == []
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_every_room_is_a_package_with_a_map(room):
+    init = PKG / room / "__init__.py"
+    assert init.is_file() and len(ast.get_docstring(ast.parse(init.read_text())) or "") > 80
