@@ -90,6 +90,11 @@ def _add_pack(sub) -> None:
     p.add_argument("--max-duration", type=float, default=None, help="reject utterances longer than this (seconds)")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
+    p.add_argument("--engine", default="local", choices=("local", "ray"),
+                   help="where tasks run: local (this machine, --workers processes) or ray (Ray tasks on a cluster; "
+                        "pip install 'shardtrain[ray]'); the output is the same (default: local)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --engine ray: cluster to join (auto, or ray://HEAD:10001); default: start a local one")
     p.add_argument("--strict", action="store_true", help="fail at the first bad item instead of rejecting it")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already at OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -112,6 +117,7 @@ def _cmd_pack(args) -> int:
             target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
             min_duration_s=args.min_duration, max_duration_s=args.max_duration, workers=args.workers,
             strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
+            engine=args.engine, ray_address=args.ray_address,
         )
         r = pack(cfg)
     except (ValueError, PackError) as e:

@@ -1,13 +1,17 @@
 """Pack a speech corpus into duration-sorted shards (format v1) plus index.parquet and manifest.json.
 
-    INPUT -> sources.iter_items -> Item | Reject                                   (input order)
-          -> filters: duplicate id, empty transcript                              -> rejects
-          -> keys: sanitise ids to [A-Za-z0-9_-]{1,80}, collision-free            (stable: depends on ids only)
-          -> audio.probe in a thread pool (headers only)      -> AudioInfo | AudioError -> rejects
-          -> filters: zero length, --min/--max-duration                           -> rejects
-          -> sort by (duration_s, key) -> cut shards by estimated bytes / samples  = the plan (+ fingerprint)
-          -> process pool, one task per shard: encode_for_shard, json, ustar, sha256, atomic write, done-marker
-          -> index.parquet -> rejects.jsonl -> manifest.json (LAST: the commit point)
+    INPUT -> sources.iter_parts -> SourcePart (~part_items items, input order)             (driver: listing)
+          -> engine.scan: scan.scan_part per part                                          (tasks)
+               read items, probe headers (threads), per-item filters -> PartScan + records (records stay in the engine)
+          -> plan.make_plan: duplicate ids, keys, rejects, sort by (duration_s, key),
+               cut shards by estimated bytes / samples, fingerprint                         (driver: the global plan)
+          -> engine.write: shard_task.write_shard per planned shard not yet done            (tasks)
+               encode_for_shard, json, ustar, sha256, temp name + rename / one PUT, done-marker
+          -> index.parquet -> rejects.jsonl -> manifest.json (LAST: the commit point)       (driver)
+
+Engines (engine.py): "local" scans in this process and writes in a process pool; "ray" runs the same two task
+functions as Ray tasks. Everything that shapes the output is decided by the plan, so both engines, any worker
+count and any task order give the same bytes.
 
 Resumable: each finished shard leaves `_work/shard-NNNNNN.json` (its index rows, sha256, rejects). Re-running the
 same command re-probes (cheap: headers), rebuilds the same plan, and writes only shards without a valid marker.
@@ -15,36 +19,28 @@ An OUTPUT holding a dataset with a different fingerprint (options + plan) is ref
 
 Deterministic: the plan depends only on the input and options, each shard only on its plan entry, so the same
 input and options give byte-identical shards, index and manifest (except `created_utc`), for any `workers`.
-
-Threads for probing (soundfile.info releases the GIL and is I/O-bound; no pickling of results); processes for
-encoding (FLAC/Opus encoders and resamplers are CPU-bound). The per-shard task is a plain function of a
-picklable `ShardTask`, so a cluster engine can run the same tasks later.
 """
 from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from shardtrain import storage
 from shardtrain._version import __version__
 from shardtrain.format import manifest as index
-from shardtrain.format.codecs import CODECS, ENCODE_RATIO
-from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, error_reason, marker_name, write_shard
-from shardtrain.pack.keys import assign_keys
+from shardtrain.format.codecs import CODECS
+from shardtrain.pack.shard_task import PackError, marker_name
 
 log = logging.getLogger(__name__)
 
 WORK = "_work"
 REJECTS = "rejects.jsonl"
-_SAMPLE_OVERHEAD_BYTES = 2048  # two ustar headers + json + padding, for the size estimate only
+ENGINES = ("local", "ray")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,7 +74,15 @@ class PackConfig:
     max_duration_s: float | None = None
     """Reject utterances longer than this (`--max-duration`)."""
     workers: int = 1
-    """Processes writing shards (`--workers`); 1 writes in this process. Output does not depend on it."""
+    """Processes writing shards (`--workers`); 1 writes in this process. Output does not depend on it.
+    Local engine only: Ray runs as many tasks as the cluster has CPUs."""
+    engine: str = "local"
+    """Where tasks run (`--engine`): "local" (this process, probe threads, a process pool) or "ray" (Ray tasks on
+    a cluster, `pip install 'shardtrain[ray]'`). Output does not depend on it."""
+    ray_address: str | None = None
+    """Ray cluster to join (`--ray-address`): None starts a local one, "auto", or "ray://head:10001"."""
+    part_items: int = 1024
+    """Items per listing/probe task (LibriSpeech: ~part_items/64 chapters). Output does not depend on it."""
     probe_threads: int = 8
     """Threads reading audio headers (I/O-bound; more helps on S3)."""
     strict: bool = False
@@ -106,6 +110,10 @@ class PackConfig:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.probe_threads < 1:
             raise ValueError(f"probe_threads must be >= 1, got {self.probe_threads}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.part_items < 1:
+            raise ValueError(f"part_items must be >= 1, got {self.part_items}")
 
     def dataset_options(self) -> dict:
         """Options that shape the output (recorded in the manifest, part of the fingerprint)."""
@@ -163,148 +171,39 @@ class PackResult:
         return d
 
 
-@dataclass(slots=True)
-class _Rejects:
-    strict: bool
-    rows: list[dict] = field(default_factory=list)
+class _Progress:
+    """The one progress bar of a pack, on the driver: items scanned, then samples written (total grows as the
+    plan becomes known), with shards and MB written in its postfix."""
 
-    def add(self, *, id: str, path: str, reason: str, key: str | None = None, detail: str = "") -> None:
-        row = {"id": id, "key": key, "path": path, "reason": reason}
-        if detail:
-            row["detail"] = detail
-        if self.strict:
-            raise PackError(
-                f"--strict: bad input item {id!r} ({path}): {reason}{': ' + detail if detail else ''}. "
-                "Fix the input, or drop --strict to skip it and record it in rejects.jsonl"
-            )
-        log.debug("reject %s (%s): %s %s", id, path, reason, detail)
-        self.rows.append(row)
+    def __init__(self, cfg: PackConfig) -> None:
+        self.bar = tqdm(disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True, desc="pack",
+                        unit="step", total=0)
+        self.shards = self.shards_total = self.bytes = 0
 
+    def scanned(self, scan) -> None:
+        self.bar.total += scan.items
+        self.bar.update(scan.items)
 
-def _bar(cfg: PackConfig, **kw) -> tqdm:
-    return tqdm(disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True, **kw)
+    def planned(self, samples: int, shards: int) -> None:
+        self.bar.total += samples
+        self.shards_total = shards
+        self.bar.set_description("pack (write)")
+        self.bar.refresh()
 
+    def written(self, marker: dict) -> None:
+        self.shards += 1
+        self.bytes += marker["info"]["bytes"]
+        self.bar.set_postfix_str(f"shards {self.shards}/{self.shards_total}, {self.bytes / 1e6:.0f} MB", refresh=False)
+        self.bar.update(marker["info"]["samples"] + len(marker["rejects"]))
 
-def _collect(cfg: PackConfig, rejects: _Rejects) -> list:
-    from shardtrain.pack.sources import Item, iter_items
-
-    items, seen = [], set()
-    for x in iter_items(str(cfg.input), cfg.source_format, cfg.storage_options):
-        if not isinstance(x, Item):
-            code, _, detail = str(x.reason).partition(": ")
-            rejects.add(id=str(x.id), path=str(x.path), reason=code, detail=detail)
-        elif not (x.text or "").strip():
-            rejects.add(id=str(x.id), path=str(x.audio), reason="empty_transcript")
-        elif x.id in seen:
-            rejects.add(id=str(x.id), path=str(x.audio), reason="duplicate_id",
-                        detail="an earlier item has the same id; the first one is kept")
-        else:
-            seen.add(x.id)
-            items.append(x)
-    return items
+    def close(self) -> None:
+        self.bar.close()
 
 
-def _kept(cfg: PackConfig, info) -> bool:
-    """Whether the file's bytes will likely be stored unchanged (then its size is the best size estimate)."""
-    return cfg.keep_original or (info.codec, info.sample_rate_hz, info.channels) == (
-        cfg.codec, cfg.sample_rate_hz, cfg.channels)
+def _engine(cfg: PackConfig):
+    from shardtrain.pack.engine import LocalEngine, RayEngine
 
-
-def _probe_one(cfg: PackConfig, item):
-    """(AudioInfo, file size or 0) or (exception, None); never raises, so one bad file costs one reject.
-    The size costs one extra stat (a HEAD on S3), so it is fetched only for files that will be kept."""
-    from shardtrain.pack.probe import probe
-
-    try:
-        info = probe(str(item.audio), cfg.storage_options)
-    except Exception as e:  # noqa: BLE001 - AudioError, soundfile/OS errors: all reject this item
-        return e, None
-    nbytes = 0
-    if _kept(cfg, info):
-        try:
-            nbytes = storage.size(str(item.audio), cfg.storage_options)
-        except Exception:  # noqa: BLE001 - only used for the size estimate
-            pass
-    return info, nbytes
-
-
-def _probed(cfg: PackConfig, items: list, chunk: int = 4096):
-    """(item, probe result) in input order; at most `chunk` probes in flight, so memory stays flat."""
-    with ThreadPoolExecutor(cfg.probe_threads) as ex:
-        for i in range(0, len(items), chunk):
-            part = items[i: i + chunk]
-            yield from zip(part, ex.map(lambda it: _probe_one(cfg, it), part))
-
-
-def _probe_and_filter(cfg: PackConfig, items: list, keys: dict, rejects: _Rejects) -> list[PlannedSample]:
-    from shardtrain.pack.probe import SEGMENT_TOLERANCE_S
-
-    planned: list[PlannedSample] = []
-    with _bar(cfg, total=len(items), desc="probe", unit="file") as bar:
-        for item, (info, nbytes) in _probed(cfg, items):
-            bar.update(1)
-            key, path = keys[item.id], str(item.audio)
-            if isinstance(info, BaseException):
-                reason, detail = error_reason(info, "unreadable_audio")
-                rejects.add(id=item.id, path=path, key=key, reason=reason, detail=detail)
-                continue
-            start_s = float(item.start_s or 0.0)
-            duration_s = float(item.duration_s) if item.duration_s is not None else info.duration_s - start_s
-            if info.num_samples <= 0 or duration_s <= 0:
-                rejects.add(id=item.id, path=path, key=key, reason="empty_audio", detail="0 samples")
-                continue
-            if start_s + duration_s > info.duration_s + SEGMENT_TOLERANCE_S:
-                rejects.add(id=item.id, path=path, key=key, reason="segment_out_of_range",
-                            detail=f"{start_s}+{duration_s}s > {info.duration_s}s")
-                continue
-            if cfg.min_duration_s is not None and duration_s < cfg.min_duration_s:
-                rejects.add(id=item.id, path=path, key=key, reason="too_short")
-                continue
-            if cfg.max_duration_s is not None and duration_s > cfg.max_duration_s:
-                rejects.add(id=item.id, path=path, key=key, reason="too_long")
-                continue
-            planned.append(PlannedSample(key=key, item=item, info=info, duration_s=duration_s,
-                                         est_bytes=_estimate_bytes(cfg, info, duration_s, nbytes)))
-    return planned
-
-
-def _estimate_bytes(cfg: PackConfig, info, duration_s: float, file_bytes: int) -> int:
-    """Stored size guess from headers: original bytes (pro rata for a segment) when kept, else PCM x ratio."""
-    if _kept(cfg, info) and file_bytes and info.duration_s > 0:
-        est = file_bytes * min(1.0, duration_s / info.duration_s)
-    else:
-        est = duration_s * cfg.sample_rate_hz * cfg.channels * 2 * ENCODE_RATIO[cfg.codec]
-    return int(est) + _SAMPLE_OVERHEAD_BYTES
-
-
-def plan_shards(samples: list[PlannedSample], target_bytes: int, max_samples: int | None) -> list[list[PlannedSample]]:
-    """Sort by (duration_s, key) and cut consecutive runs of about `target_bytes` (estimated) or `max_samples`."""
-    samples = sorted(samples, key=lambda s: (s.duration_s, s.key))
-    shards: list[list[PlannedSample]] = []
-    cur: list[PlannedSample] = []
-    cur_bytes = 0
-    for s in samples:
-        if cur and (cur_bytes + s.est_bytes > target_bytes or (max_samples is not None and len(cur) >= max_samples)):
-            shards.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(s)
-        cur_bytes += s.est_bytes
-    if cur:
-        shards.append(cur)
-    return shards
-
-
-def fingerprint(cfg: PackConfig, plan: list[list[PlannedSample]]) -> str:
-    """sha256 over the output-shaping options and every planned sample (key, source, segment, text, metadata)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    h.update(json.dumps({"format_version": index.FORMAT_VERSION, **cfg.dataset_options()}, sort_keys=True).encode())
-    for i, shard in enumerate(plan):
-        h.update(f"\nshard {i}\n".encode())
-        for s in shard:
-            h.update(json.dumps(s.identity(), sort_keys=True, default=str).encode() + b"\n")
-    return h.hexdigest()
+    return RayEngine(cfg.ray_address) if cfg.engine == "ray" else LocalEngine(cfg.workers)
 
 
 def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
@@ -336,41 +235,56 @@ def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
 
 def pack(cfg: PackConfig) -> PackResult:
     """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs."""
+    engine, progress = _engine(cfg), _Progress(cfg)
+    try:
+        return _pack(cfg, engine, progress)
+    finally:
+        progress.close()
+        engine.close()
+
+
+def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
+    from shardtrain.pack.engine import WriteJob
+    from shardtrain.pack.plan import iter_specs, make_plan
+    from shardtrain.pack.sources import iter_parts
     from shardtrain.pack.transcode import AudioTarget
 
     t0 = time.perf_counter()
     out, so = str(cfg.output).rstrip("/"), cfg.storage_options
     target = AudioTarget(codec=cfg.codec, sample_rate_hz=cfg.sample_rate_hz, channels=cfg.channels,
                          keep_original=cfg.keep_original, verify_decode=cfg.decode_check)
-    rejects = _Rejects(strict=cfg.strict)
-    items = _collect(cfg, rejects)
-    keys = assign_keys([it.id for it in items])
-    planned = _probe_and_filter(cfg, items, keys, rejects)
-    plan = plan_shards(planned, int(cfg.target_shard_mb * (1 << 20)), cfg.max_samples_per_shard)
-    fp = fingerprint(cfg, plan)
+    parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items)
+    scans = engine.scan(cfg, parts, progress.scanned)
+    plan = make_plan(cfg, scans, engine.path_of)
+    items = sum(s.items for s in scans)
+    del scans
+    fp, rejects = plan.fingerprint, plan.rejects
     probe_s = time.perf_counter() - t0
     log.info("planned %d samples in %d shards (%d rejected before encoding) in %.1fs",
-             len(planned), len(plan), len(rejects.rows), probe_s)
+             plan.samples, plan.shards, len(rejects.rows), probe_s)
 
     state = _existing_state(cfg, out, fp)
     if state == "complete":
         log.info("%s already holds this dataset (same fingerprint); nothing to write", out)
-        return _result_from_manifest(out, so, t0, probe_s, len(planned) + len(rejects.rows))
+        return _result_from_manifest(out, so, t0, probe_s, items)
     storage.makedirs(storage.join(out, WORK), so)
     if state == "fresh":
         storage.atomic_write_bytes(storage.join(out, WORK + "/plan.json"),
-                                   json.dumps({"fingerprint": fp, "shards": len(plan)}).encode(), so)
+                                   json.dumps({"fingerprint": fp, "shards": plan.shards}).encode(), so)
 
-    done = _load_markers(out, so, fp, len(plan))
-    tasks = [ShardTask(shard=i, output=out, storage_options=so, samples=shard, target=target,
-                       fingerprint=fp, strict=cfg.strict)
-             for i, shard in enumerate(plan) if i not in done]
-    log.info("%d shards to write (%d complete from an earlier run), workers=%d", len(tasks), len(done), cfg.workers)
+    done = _load_markers(out, so, fp, plan.shards)
+    todo = plan.shards - len(done)
+    log.info("%d shards to write (%d complete from an earlier run), engine=%s, workers=%d", todo, len(done),
+             cfg.engine, cfg.workers)
+    progress.planned(int(plan.shard_sizes()[[i for i in range(plan.shards) if i not in done]].sum()), todo)
     t1 = time.perf_counter()
-    done.update(_run_tasks(cfg, tasks))
+    job = WriteJob(output=out, storage_options=so, target=target, fingerprint=fp, strict=cfg.strict)
+    for marker in engine.write(job, iter_specs(plan, set(done)), todo):
+        done[marker["shard"]] = marker
+        progress.written(marker)
     write_s = time.perf_counter() - t1
 
-    markers = [done[i] for i in range(len(plan))]
+    markers = [done[i] for i in range(plan.shards)]
     rows = [r for m in markers for r in m["rows"]]
     all_rejects = rejects.rows + [r for m in markers for r in m["rejects"]]
     index.write_index(out, index.index_table(rows), so)
@@ -401,7 +315,7 @@ def pack(cfg: PackConfig) -> PackResult:
     t = manifest["totals"]
     return PackResult(output=out, samples=t["samples"], seconds=t["seconds"], shards=t["shards"], bytes=t["bytes"],
                       rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
-                      shards_written=len(tasks), wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
+                      shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
                       items=t["samples"] + len(all_rejects))
 
 
@@ -424,41 +338,6 @@ def _load_markers(out: str, so: dict | None, fp: str, n: int) -> dict[int, dict]
     return done
 
 
-def _run_tasks(cfg: PackConfig, tasks: list[ShardTask]) -> dict[int, dict]:
-    results: dict[int, dict] = {}
-    total = sum(len(t.samples) for t in tasks)
-    with _bar(cfg, total=total, desc="write", unit="utt") as bar:
-        if cfg.workers == 1 or len(tasks) <= 1:
-            for t in tasks:
-                results[t.shard] = write_shard(t)
-                bar.update(len(t.samples))
-            return results
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode"])
-        try:
-            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx) as ex:
-                # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
-                pending, it = {}, iter(tasks)
-                for t in it:
-                    pending[ex.submit(write_shard, t)] = t
-                    if len(pending) >= 2 * cfg.workers:
-                        break
-                while pending:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in finished:
-                        t = pending.pop(f)
-                        results[t.shard] = f.result()  # re-raises worker errors (PackError, ...)
-                        bar.update(len(t.samples))
-                        nxt = next(it, None)
-                        if nxt is not None:  # submitting to a pool broken meanwhile raises here, not in result()
-                            pending[ex.submit(write_shard, nxt)] = nxt
-        except BrokenProcessPool as e:
-            raise PackError(
-                f"a worker process died (killed, or out of memory) while writing shards; {len(results)} "
-                "finished in this run are kept: re-run the same command to write only the rest") from e
-    return results
-
-
 def _result_from_manifest(out: str, so: dict | None, t0: float, probe_s: float, items: int) -> PackResult:
     m = index.open_dataset(out, so).manifest
     by_reason: dict[str, int] = {}
@@ -475,4 +354,4 @@ def _result_from_manifest(out: str, so: dict | None, t0: float, probe_s: float, 
                       already_complete=True)
 
 
-__all__ = ["PackConfig", "PackResult", "PackError", "pack", "plan_shards", "fingerprint"]
+__all__ = ["PackConfig", "PackResult", "PackError", "pack"]

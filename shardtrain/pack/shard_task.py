@@ -106,6 +106,14 @@ def sample_json(s: PlannedSample, stored) -> bytes:
     return json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+def _fault_marker(task: ShardTask):
+    """Where an armed `pack.shard` fault records that it fired (the temp folder, keyed by the plan's fingerprint),
+    so the retry of a killed task (Ray) or a re-run of the command goes on. Touched only when a fault is armed."""
+    from pathlib import Path
+
+    return Path(tempfile.gettempdir()) / f"shardtrain-fault-{task.fingerprint[:16]}-pack.shard-{task.shard}"
+
+
 def write_shard(task: ShardTask) -> dict:
     """Encode, tar, hash and atomically publish one shard, then its done-marker. Returns the marker:
     `{"fingerprint", "shard", "info": ShardInfo dict, "rows": [index rows], "rejects": [reject rows]}`.
@@ -118,7 +126,7 @@ def write_shard(task: ShardTask) -> dict:
     from shardtrain import storage
     from shardtrain.pack.transcode import encode_for_shard
 
-    faults.point("pack.shard", task.shard)
+    faults.point("pack.shard", task.shard, once_marker=_fault_marker(task))
     encoded, rejects = [], []
     for s in task.samples:
         try:

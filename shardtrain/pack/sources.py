@@ -194,6 +194,11 @@ def _iter_dir(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Rejec
     Hidden files (leading ".", e.g. macOS `._x.flac`) are skipped. When one folder holds two audio files with the
     same stem (x.wav and x.flac), both ids keep their extension so that ids stay unique.
     """
+    return _dir_items(fs, _dir_entries(fs, root))
+
+
+def _dir_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, str, str | None]]:
+    """The listing half of a "dir" source (one `find`): (audio path, id, transcript path or None) per file."""
     files = sorted(p for p in fs.find(root) if not posixpath.basename(p).startswith("."))
     present = set(files)
     audio = [p for p in files if p.lower().endswith(AUDIO_EXTENSIONS)]
@@ -201,13 +206,21 @@ def _iter_dir(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Rejec
     for p in audio:
         stem = posixpath.splitext(p)[0]
         stems[stem] = stems.get(stem, 0) + 1
+    entries = []
     for p in audio:
         stem = posixpath.splitext(p)[0]
-        rel = posixpath.relpath(p if stems[stem] > 1 else stem, root)
-        ref = _ref(fs, p)
         txt = stem + ".txt"
-        if txt not in present:
-            yield Reject(rel, ref, f"missing_transcript: no {posixpath.basename(txt)}")
+        entries.append((p, posixpath.relpath(p if stems[stem] > 1 else stem, root), txt if txt in present else None))
+    return entries
+
+
+def _dir_items(fs: fsspec.AbstractFileSystem, entries: Iterable[tuple[str, str, str | None]]
+               ) -> Iterator[Item | Reject]:
+    """The reading half of a "dir" source: one transcript read per entry (a request each on object storage)."""
+    for p, rel, txt in entries:
+        ref = _ref(fs, p)
+        if txt is None:
+            yield Reject(rel, ref, f"missing_transcript: no {posixpath.basename(posixpath.splitext(p)[0])}.txt")
             continue
         text = _read_transcript(fs, txt, rel, ref)
         yield text if isinstance(text, Reject) else Item(id=rel, audio=ref, text=text)
@@ -322,13 +335,19 @@ def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Rej
 
 
 # ---- LibriSpeech ----------------------------------------------------------------------------------------------
-def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reject]:
+def _librispeech_transcripts(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """The listing half of a LibriSpeech source: its `.trans.txt` files (one per chapter), sorted."""
+    return sorted(fs.glob(posixpath.join(root, "*", "*", "*.trans.txt")))
+
+
+def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: list[str] | None = None
+                      ) -> Iterator[Item | Reject]:
     """`<spk>/<chapter>/<spk>-<chapter>-<utt>.flac` + `<spk>-<chapter>.trans.txt` (lines `<utt-id> <TEXT>`).
 
     id = utterance id, speaker = the `<spk>` folder, language "en", extra = chapter. Transcript lines without audio
     give `missing_audio`, audio without a transcript line gives `missing_transcript`.
     """
-    for trans in sorted(fs.glob(posixpath.join(root, "*", "*", "*.trans.txt"))):
+    for trans in _librispeech_transcripts(fs, root) if transcripts is None else transcripts:
         chapter_dir = posixpath.dirname(trans)
         chapter = posixpath.basename(chapter_dir)
         speaker = posixpath.basename(posixpath.dirname(chapter_dir))
@@ -424,3 +443,56 @@ def _iter_lhotse(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Re
             yield got
         else:
             yield from _lhotse_cut_items(got[1], got[0], seen)
+
+
+# ---- parts: the unit of listing work for a pack engine -------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SourcePart:
+    """A contiguous run of the input, in input order; the concatenation of all parts is `iter_items`.
+
+    "dir" and "librispeech" parts carry what is still to be read (dir entries; chapter `.trans.txt` files), so the
+    per-file reads happen where the part runs (a worker); manifest parts carry items the driver already parsed
+    (a manifest is one stream: it cannot be split without reading it)."""
+
+    index: int
+    input: str
+    source_format: str
+    """Resolved format (never "auto")."""
+    entries: tuple = ()
+    items: tuple = ()
+
+
+def iter_parts(input: str, source_format: str = "auto", storage_options: dict | None = None,
+               part_items: int = 1024) -> Iterator[SourcePart]:
+    """Split `input` into SourceParts of about `part_items` utterances (LibriSpeech: whole chapters)."""
+    if source_format not in SOURCE_FORMATS:
+        raise ValueError(f"source_format must be one of {SOURCE_FORMATS}, got {source_format!r}")
+    if source_format == "auto":
+        source_format = detect_format(input, storage_options)
+        log.info("detected source format %r for %s", source_format, input)
+    fs, path = _fs(input, storage_options)
+    if source_format in ("dir", "librispeech"):
+        todo: list = _dir_entries(fs, path) if source_format == "dir" else _librispeech_transcripts(fs, path)
+        step = part_items if source_format == "dir" else max(1, part_items // 64)  # ~100 utterances a chapter
+        for n, i in enumerate(range(0, len(todo), step)):
+            yield SourcePart(index=n, input=input, source_format=source_format, entries=tuple(todo[i: i + step]))
+        return
+    chunk: list = []
+    n = 0
+    for x in iter_items(input, source_format, storage_options):
+        chunk.append(x)
+        if len(chunk) >= part_items:
+            yield SourcePart(index=n, input=input, source_format=source_format, items=tuple(chunk))
+            chunk, n = [], n + 1
+    if chunk:
+        yield SourcePart(index=n, input=input, source_format=source_format, items=tuple(chunk))
+
+
+def part_items(part: SourcePart, storage_options: dict | None = None) -> Iterator[Item | Reject]:
+    """The Items and Rejects of one part, in input order (reads transcripts for dir/LibriSpeech parts)."""
+    if part.source_format not in ("dir", "librispeech"):
+        return iter(part.items)
+    fs, path = _fs(part.input, storage_options)
+    if part.source_format == "dir":
+        return _dir_items(fs, part.entries)
+    return _iter_librispeech(fs, path, list(part.entries))

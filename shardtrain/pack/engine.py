@@ -1,0 +1,234 @@
+"""How pack's tasks run: LocalEngine (this process + a process pool) or RayEngine (Ray tasks on a cluster).
+
+    engine.scan(parts)  -> [PartScan]      runs scan.scan_part per SourcePart; records stay with the engine
+    engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate-id rejects)
+    engine.write(specs) -> markers         runs shard_task.write_shard per planned shard, any order
+
+Both engines call the same task functions (scan_part, write_shard) on the same inputs; everything that decides
+bytes (listing order, keys, the sort, shard names and contents) is decided by plan.py from the scans, so the
+output does not depend on the engine, the worker count or the order in which tasks finish.
+
+RayEngine imports ray only when constructed (`pip install 'shardtrain[ray]'`). Its driver holds PartScans and
+ObjectRefs; the records of each part live in Ray's object store as one flat byte array plus offsets (zero-copy on
+the node that reads them), so a shard task unpickles only its own samples. Tasks are retried by Ray when their
+worker dies (`max_retries`); a retried shard task rewrites the same bytes under the same name (temp name, then
+rename or one whole-object PUT), and an exception raised by the task itself (a --strict failure) is not retried.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from shardtrain.pack.plan import ShardSpec
+from shardtrain.pack.scan import PartScan, scan_part
+from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, write_shard
+from shardtrain.pack.sources import SourcePart
+
+log = logging.getLogger(__name__)
+
+TASK_RETRIES = 3
+"""Ray re-runs a task this many times when its worker process dies (killed, out of memory, node lost)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WriteJob:
+    """What every shard task of one pack shares (besides its spec and records)."""
+
+    output: str
+    storage_options: dict | None
+    target: object
+    """transcode.AudioTarget"""
+    fingerprint: str
+    strict: bool
+
+
+class Engine(Protocol):
+    def scan(self, cfg, parts: Iterable[SourcePart], on_part: Callable[[PartScan], None]) -> list[PartScan]: ...
+
+    def path_of(self, part: int, row: int) -> str: ...
+
+    def write(self, job: WriteJob, specs: Iterable[ShardSpec], count: int) -> Iterator[dict]: ...
+
+    def close(self) -> None: ...
+
+
+def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tuple]) -> ShardTask:
+    """The ShardTask of one spec; `records(part, row)` -> (Item, AudioInfo, duration_s, est_bytes)."""
+    samples = []
+    for p, r, key in zip(spec.parts.tolist(), spec.rows.tolist(), spec.keys):
+        item, info, duration_s, est = records(p, r)
+        samples.append(PlannedSample(key=key, item=item, info=info, duration_s=duration_s, est_bytes=est))
+    return ShardTask(shard=spec.shard, output=job.output, storage_options=job.storage_options, samples=samples,
+                     target=job.target, fingerprint=job.fingerprint, strict=job.strict)
+
+
+# ---- local ----------------------------------------------------------------------------------------------------
+class LocalEngine:
+    """Scans in this process (probe threads inside each part), writes in a forkserver process pool of `workers`
+    (or in this process for 1). Holds every part's records in memory (~1 KB per item)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._records: dict[int, list] = {}
+
+    def scan(self, cfg, parts: Iterable[SourcePart], on_part: Callable[[PartScan], None]) -> list[PartScan]:
+        scans = []
+        for part in parts:
+            scan, records = scan_part(cfg, part)
+            self._records[part.index] = records
+            scans.append(scan)
+            on_part(scan)
+        return scans
+
+    def path_of(self, part: int, row: int) -> str:
+        return str(self._records[part][row][0].audio)
+
+    def _record(self, part: int, row: int) -> tuple:
+        return self._records[part][row]
+
+    def write(self, job: WriteJob, specs: Iterable[ShardSpec], count: int) -> Iterator[dict]:
+        tasks = (shard_task(job, s, self._record) for s in specs)
+        if self.workers == 1 or count <= 1:
+            for t in tasks:
+                yield write_shard(t)
+            return
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode"])
+        finished_n = 0
+        try:
+            with ProcessPoolExecutor(max_workers=min(self.workers, count), mp_context=ctx) as ex:
+                # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
+                pending = {}
+                for t in tasks:
+                    pending[ex.submit(write_shard, t)] = t
+                    if len(pending) >= 2 * self.workers:
+                        break
+                while pending:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        pending.pop(f)
+                        finished_n += 1
+                        yield f.result()  # re-raises worker errors (PackError, ...)
+                        nxt = next(tasks, None)
+                        if nxt is not None:  # submitting to a pool broken meanwhile raises here, not in result()
+                            pending[ex.submit(write_shard, nxt)] = nxt
+        except BrokenProcessPool as e:
+            raise PackError(
+                f"a worker process died (killed, or out of memory) while writing shards; {finished_n} "
+                "finished in this run are kept: re-run the same command to write only the rest") from e
+
+    def close(self) -> None:
+        self._records.clear()
+
+
+# ---- ray ------------------------------------------------------------------------------------------------------
+def pack_records(records: list) -> tuple[np.ndarray, np.ndarray]:
+    """Records -> (offsets int64 [n + 1], pickled bytes uint8): one object-store value, sliceable without copying."""
+    blobs = [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in records]
+    offsets = np.zeros(len(blobs) + 1, np.int64)
+    np.cumsum([len(b) for b in blobs], out=offsets[1:])
+    return offsets, np.frombuffer(b"".join(blobs), np.uint8)
+
+
+def unpack_record(packed: tuple[np.ndarray, np.ndarray], row: int) -> Any:
+    offsets, blob = packed
+    return pickle.loads(memoryview(blob)[int(offsets[row]): int(offsets[row + 1])])
+
+
+def _ray_scan(cfg, part: SourcePart) -> tuple[PartScan, tuple[np.ndarray, np.ndarray]]:
+    scan, records = scan_part(cfg, part)
+    return scan, pack_records(records)
+
+
+def _ray_write(job: WriteJob, spec: ShardSpec, part_ids: list[int], *packed) -> dict:
+    by_part = dict(zip(part_ids, packed))
+    return write_shard(shard_task(job, spec, lambda p, r: unpack_record(by_part[p], r)))
+
+
+def _ray_paths(packed: tuple[np.ndarray, np.ndarray], rows: list[int]) -> list[str]:
+    return [str(unpack_record(packed, r)[0].audio) for r in rows]
+
+
+class RayEngine:
+    """Runs scan and write tasks on a Ray cluster: `address` None starts a local one (`ray.init()`), "auto" joins
+    the cluster this machine belongs to, or "ray://host:10001". An already initialised Ray is used as it is (and
+    not shut down by close()). At most 2 tasks per cluster CPU are in flight, so the driver never holds more than
+    that many part results it has not consumed."""
+
+    def __init__(self, address: str | None = None) -> None:
+        try:
+            import ray
+        except ImportError as e:
+            raise PackError("--engine ray needs Ray: pip install 'shardtrain[ray]'") from e
+        self._ray = ray
+        self._owns = not ray.is_initialized()
+        if self._owns:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        self._inflight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+        self._scan_fn = ray.remote(num_returns=2, max_retries=TASK_RETRIES)(_ray_scan)
+        self._write_fn = ray.remote(max_retries=TASK_RETRIES)(_ray_write)
+        self._paths_fn = ray.remote(max_retries=TASK_RETRIES)(_ray_paths)
+        self._records: dict[int, Any] = {}
+
+    def _bounded(self, submit: Callable[[Any], Any], jobs: Iterable[Any]) -> Iterator[Any]:
+        """Submit `jobs` with at most self._inflight refs pending; yield each finished ref's value. A task's own
+        exception (PackError, ValueError) is re-raised as itself; a task that died TASK_RETRIES + 1 times raises
+        PackError."""
+        ray, pending = self._ray, []
+        try:
+            for job in jobs:
+                pending.append(submit(job))
+                if len(pending) >= self._inflight:
+                    done, pending = ray.wait(pending, num_returns=1)
+                    yield ray.get(done[0])
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                yield ray.get(done[0])
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, (PackError, ValueError)):
+                raise cause from None
+            raise
+        except ray.exceptions.RayError as e:
+            raise PackError(f"a Ray task failed after {TASK_RETRIES} retries ({type(e).__name__}: {e}); shards "
+                            "finished so far are kept: re-run the same command to write only the rest") from e
+        finally:
+            for ref in pending:
+                ray.cancel(ref)
+
+    def scan(self, cfg, parts: Iterable[SourcePart], on_part: Callable[[PartScan], None]) -> list[PartScan]:
+        def submit(part: SourcePart):
+            scan_ref, records_ref = self._scan_fn.remote(cfg, part)
+            self._records[part.index] = records_ref
+            return scan_ref
+
+        scans = []
+        for scan in self._bounded(submit, parts):
+            scans.append(scan)
+            on_part(scan)
+        return scans
+
+    def path_of(self, part: int, row: int) -> str:
+        return self._ray.get(self._paths_fn.remote(self._records[part], [row]))[0]
+
+    def write(self, job: WriteJob, specs: Iterable[ShardSpec], count: int) -> Iterator[dict]:
+        job_ref = self._ray.put(job)
+
+        def submit(spec: ShardSpec):
+            part_ids = sorted(set(spec.parts.tolist()))
+            return self._write_fn.remote(job_ref, spec, part_ids, *(self._records[p] for p in part_ids))
+
+        yield from self._bounded(submit, specs)
+
+    def close(self) -> None:
+        self._records.clear()
+        if self._owns:
+            self._ray.shutdown()

@@ -1,0 +1,223 @@
+"""The global plan of a pack, on the driver, from PartScans only: duplicates, keys, rejects, sort, shards, fingerprint.
+
+    [PartScan] (input order) -> duplicate ids (first kept)         -> rejects (with the source rejects, input order)
+                             -> keys: sanitised ids, collision-free  (keys.assign_keys' rule, over the whole input)
+                             -> late rejects get their keys         -> rejects (input order)
+                             -> sort accepted by (duration_s, key)   -> cut by estimated bytes / samples
+                             -> fingerprint (options + per sample: shard, key, digest)
+    = Plan: per shard the (part, row) of each sample in order, and its keys; the records stay with the engine.
+
+Pure functions of the scans and the options, so both engines and any number of workers get the same plan.
+Memory: Arrow string columns and numpy arrays, about 100-150 bytes per item at the peak (see README, "Packing on
+Ray"); no Python object per item except transiently for the rare duplicate or key collision.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from shardtrain.format import manifest as index
+from shardtrain.pack.keys import _sha8, assign_keys
+from shardtrain.pack.scan import DIGEST_BYTES, PartScan
+from shardtrain.pack.shard_task import PackError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Rejects:
+    """Reject rows in the order they are written to rejects.jsonl; under `strict` the first one raises."""
+
+    strict: bool
+    rows: list[dict]
+
+    def add(self, row: dict) -> None:
+        if self.strict:
+            detail = row.get("detail", "")
+            raise PackError(
+                f"--strict: bad input item {row['id']!r} ({row['path']}): {row['reason']}"
+                f"{': ' + detail if detail else ''}. "
+                "Fix the input, or drop --strict to skip it and record it in rejects.jsonl")
+        log.debug("reject %s (%s): %s %s", row["id"], row["path"], row["reason"], row.get("detail", ""))
+        self.rows.append(row)
+
+
+@dataclass(slots=True)
+class ShardSpec:
+    """One planned shard: the (part, row) of each sample in plan order and its key."""
+
+    shard: int
+    parts: np.ndarray
+    rows: np.ndarray
+    keys: list[str]
+
+
+@dataclass(slots=True)
+class Plan:
+    fingerprint: str
+    samples: int
+    shards: int
+    rejects: Rejects
+    _order: np.ndarray
+    """Global candidate index of each accepted sample, in plan order."""
+    _cuts: np.ndarray
+    """Shard i is _order[_cuts[i]:_cuts[i + 1]]."""
+    _starts: np.ndarray
+    """First global candidate index of each part."""
+    _keys: pa.Array
+    """Keys in plan order."""
+
+    def spec(self, i: int) -> ShardSpec:
+        g = self._order[self._cuts[i]: self._cuts[i + 1]]
+        parts = np.searchsorted(self._starts, g, side="right") - 1
+        return ShardSpec(shard=i, parts=parts, rows=g - self._starts[parts],
+                         keys=self._keys[self._cuts[i]: self._cuts[i + 1]].to_pylist())
+
+    def shard_sizes(self) -> np.ndarray:
+        return np.diff(self._cuts)
+
+
+def _duplicates(ids: pa.ChunkedArray) -> np.ndarray:
+    """Mask of ids equal to an earlier id (the first one in input order is kept). Stable sort, no Python set."""
+    n = len(ids)
+    dup = np.zeros(n, bool)
+    if n < 2:
+        return dup
+    order = pc.sort_indices(ids).to_numpy()  # stable: equal ids stay in input order
+    s = ids.take(order)
+    same = pc.equal(s.slice(1), s.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    dup[order[1:][same]] = True
+    return dup
+
+
+def _adjacent_equal(values: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Positions (original) of values that occur more than once."""
+    n = len(values)
+    if n < 2:
+        return np.zeros(0, np.int64)
+    order = pc.sort_indices(values).to_numpy()
+    s = values.take(order)
+    same = pc.equal(s.slice(1), s.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    return np.unique(np.concatenate([order[1:][same], order[:-1][same]]))
+
+
+def assign_keys_columnar(ids: pa.ChunkedArray, sanitized: pa.ChunkedArray) -> pa.Array:
+    """keys.assign_keys for Arrow columns: the same keys, without a dict entry per id. Ids sharing a sanitised
+    key get `-sha1[:8]` (one equal to its key keeps it); any remaining clash (astronomically rare) falls back to
+    keys.assign_keys itself over all ids, so the result is always exactly assign_keys'."""
+    keys = sanitized.combine_chunks() if isinstance(sanitized, pa.ChunkedArray) else sanitized
+    clash = _adjacent_equal(keys)
+    if len(clash):
+        mask = np.zeros(len(keys), bool)
+        mask[clash] = True
+        clash_ids = ids.take(pa.array(clash)).to_pylist()
+        clash_keys = keys.take(pa.array(clash)).to_pylist()
+        new = [k if i == k else k[:71] + "-" + _sha8(i) for i, k in zip(clash_ids, clash_keys)]
+        keys = pc.replace_with_mask(keys, pa.array(mask), pa.array(new, pa.string()))
+        if len(_adjacent_equal(keys)):
+            all_ids = ids.to_pylist()
+            table = assign_keys(all_ids)
+            keys = pa.array([table[i] for i in all_ids], pa.string())
+    return keys
+
+
+def _concat(scans: list[PartScan], name: str) -> np.ndarray:
+    arrays = [getattr(s, name) for s in scans]
+    return np.concatenate(arrays) if arrays else np.zeros(0)
+
+
+def _early_rejects(scans: list[PartScan], dup: np.ndarray, starts: np.ndarray, rejects: Rejects,
+                   path_of: Callable[[int, int], str]) -> None:
+    """Source rejects, empty transcripts and duplicate ids, merged in input order."""
+    for p, scan in enumerate(scans):
+        dups = np.flatnonzero(dup[starts[p]: starts[p] + len(scan.pos)])
+        rows = [(pos, row) for pos, row in scan.early]
+        for j in dups.tolist():
+            rows.append((int(scan.pos[j]), {"id": scan.ids[j].as_py(), "key": None, "path": path_of(p, j),
+                                            "reason": "duplicate_id",
+                                            "detail": "an earlier item has the same id; the first one is kept"}))
+        for _, row in sorted(rows, key=lambda r: r[0]):
+            rejects.add(row)
+
+
+def cut_shards(est_bytes: np.ndarray, target_bytes: int, max_samples: int | None) -> np.ndarray:
+    """Cut points over samples in plan order: a shard ends before the sample that would pass `target_bytes`
+    (estimated) or `max_samples`. Returns [0, ..., n]."""
+    cuts = [0]
+    cur = 0
+    for i, b in enumerate(est_bytes.tolist()):
+        if i > cuts[-1] and (cur + b > target_bytes or (max_samples is not None and i - cuts[-1] >= max_samples)):
+            cuts.append(i)
+            cur = 0
+        cur += b
+    if len(est_bytes):
+        cuts.append(len(est_bytes))
+    return np.asarray(cuts, np.int64)
+
+
+def fingerprint(options: dict, keys: pa.Array, digests: np.ndarray, cuts: np.ndarray) -> str:
+    """sha256 over the output-shaping options and, per shard, each sample's key and digest (sample_digest)."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"format_version": index.FORMAT_VERSION, **options}, sort_keys=True).encode())
+    raw = digests.view(np.uint8).reshape(-1, DIGEST_BYTES) if len(digests) else digests
+    for i in range(len(cuts) - 1):
+        a, b = int(cuts[i]), int(cuts[i + 1])
+        h.update(f"\nshard {i}\n".encode())
+        for k, d in zip(keys[a:b].to_pylist(), raw[a:b]):
+            h.update(k.encode() + b"\t" + d.tobytes() + b"\n")
+    return h.hexdigest()
+
+
+def make_plan(cfg, scans: list[PartScan], path_of: Callable[[int, int], str]) -> Plan:
+    """The whole plan from the scans (in part order). `path_of(part, row)` gives a candidate's audio path (only
+    asked for duplicates). Raises PackError under cfg.strict at the first reject in input order."""
+    scans = sorted(scans, key=lambda s: s.index)
+    sizes = np.asarray([len(s.pos) for s in scans], np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(scans) else np.zeros(0, np.int64)
+    ids = pa.chunked_array([s.ids for s in scans], pa.string())
+    dup = _duplicates(ids)
+    rejects = Rejects(strict=cfg.strict, rows=[])
+    _early_rejects(scans, dup, starts, rejects, path_of)
+
+    kept = np.flatnonzero(~dup)
+    keys = pa.array([], pa.string())
+    if len(kept):
+        sel = pa.array(kept)
+        keys = assign_keys_columnar(ids.take(sel), pa.chunked_array([s.keys for s in scans], pa.string()).take(sel))
+    key_of = np.full(len(dup), -1, np.int64)
+    key_of[kept] = np.arange(len(kept))
+    for p, scan in enumerate(scans):  # probe failures and duration filters, input order, now with their keys
+        for j in sorted(scan.late):
+            row = dict(scan.late[j])
+            g = starts[p] + j
+            if dup[g]:
+                continue
+            row["key"] = keys[int(key_of[g])].as_py()
+            rejects.add(row)
+
+    ok = _concat(scans, "ok").astype(bool) & ~dup
+    acc = np.flatnonzero(ok)
+    dur, est = _concat(scans, "duration_s")[acc], _concat(scans, "est_bytes")[acc]
+    acc_keys = keys.take(pa.array(key_of[acc])) if len(acc) else pa.array([], pa.string())
+    by = pc.sort_indices(pa.table({"d": pa.array(dur, pa.float64()), "k": acc_keys}),
+                         sort_keys=[("d", "ascending"), ("k", "ascending")]).to_numpy()
+    order = acc[by]
+    plan_keys = acc_keys.take(pa.array(by)) if len(by) else acc_keys
+    cuts = cut_shards(est[by], int(cfg.target_shard_mb * (1 << 20)), cfg.max_samples_per_shard)
+    digests = np.concatenate([s.digest for s in scans])[order] if len(order) else np.zeros(0, f"S{DIGEST_BYTES}")
+    fp = fingerprint(cfg.dataset_options(), plan_keys, digests, cuts)
+    return Plan(fingerprint=fp, samples=len(order), shards=len(cuts) - 1 if len(cuts) else 0, rejects=rejects,
+                _order=order, _cuts=cuts, _starts=starts, _keys=plan_keys)
+
+
+def iter_specs(plan: Plan, skip: set[int] | frozenset = frozenset()) -> Iterator[ShardSpec]:
+    for i in range(plan.shards):
+        if i not in skip:
+            yield plan.spec(i)

@@ -1,0 +1,179 @@
+"""Scan one part of the input: read its items, probe their headers, apply the per-item filters (a pack task).
+
+    SourcePart -> sources.part_items -> Item | Reject
+               -> per item: source reject / empty transcript        -> PartScan.early (reject rows, input position)
+               -> probe headers (threads)                           -> AudioInfo | AudioError
+               -> empty_audio, segment_out_of_range, too_short/long  -> PartScan.late (reject rows, keys added later)
+    -> (PartScan: the compact columns the global plan needs, records: [(Item, AudioInfo, duration_s, est_bytes)])
+
+Both engines run `scan_part` unchanged: LocalEngine in the driver, RayEngine as a Ray task. Only the PartScan goes
+to the driver; it holds per candidate an id, its sanitised key, flags, duration, estimated bytes and a 16-byte
+digest of everything else that shapes the sample (so the dataset fingerprint covers text, paths and headers
+without the driver holding them). The records stay with the engine (in memory locally, in Ray's object store).
+What needs the whole input (duplicate ids, key collisions, the global sort) is decided by plan.py on the driver.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardtrain import storage
+from shardtrain.format.codecs import ENCODE_RATIO
+from shardtrain.pack.keys import sanitize_key
+from shardtrain.pack.shard_task import PlannedSample, error_reason
+
+if TYPE_CHECKING:
+    from shardtrain.pack.packer import PackConfig
+    from shardtrain.pack.sources import SourcePart
+
+SAMPLE_OVERHEAD_BYTES = 2048  # two ustar headers + json + padding, for the size estimate only
+DIGEST_BYTES = 16
+
+
+@dataclass(slots=True)
+class PartScan:
+    """What the driver keeps of one part: ~100 bytes per candidate (ids and keys as Arrow strings)."""
+
+    index: int
+    items: int
+    """Items read from the input in this part (candidates + early rejects)."""
+    early: list[tuple[int, dict]] = field(default_factory=list)
+    """(position in the part, reject row): source rejects and empty transcripts."""
+    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    """Position in the part of each candidate (an item with a non-empty transcript)."""
+    ids: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
+    keys: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
+    """sanitize_key(id); plan.assign_keys resolves collisions across the whole input."""
+    ok: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    late: dict[int, dict] = field(default_factory=dict)
+    """Candidate index -> reject row (probe failures and duration filters), without its key."""
+    duration_s: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    est_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    digest: np.ndarray = field(default_factory=lambda: np.zeros(0, f"S{DIGEST_BYTES}"))
+
+
+def _kept(cfg: PackConfig, info) -> bool:
+    """Whether the file's bytes will likely be stored unchanged (then its size is the best size estimate)."""
+    return cfg.keep_original or (info.codec, info.sample_rate_hz, info.channels) == (
+        cfg.codec, cfg.sample_rate_hz, cfg.channels)
+
+
+def _probe_one(cfg: PackConfig, item):
+    """(AudioInfo, file size or 0) or (exception, None); never raises, so one bad file costs one reject.
+    The size costs one extra stat (a HEAD on S3), so it is fetched only for files that will be kept."""
+    from shardtrain.pack.probe import probe
+
+    try:
+        info = probe(str(item.audio), cfg.storage_options)
+    except Exception as e:  # noqa: BLE001 - AudioError, soundfile/OS errors: all reject this item
+        return e, None
+    nbytes = 0
+    if _kept(cfg, info):
+        try:
+            nbytes = storage.size(str(item.audio), cfg.storage_options)
+        except Exception:  # noqa: BLE001 - only used for the size estimate
+            pass
+    return info, nbytes
+
+
+def _estimate_bytes(cfg: PackConfig, info, duration_s: float, file_bytes: int) -> int:
+    """Stored size guess from headers: original bytes (pro rata for a segment) when kept, else PCM x ratio."""
+    if _kept(cfg, info) and file_bytes and info.duration_s > 0:
+        est = file_bytes * min(1.0, duration_s / info.duration_s)
+    else:
+        est = duration_s * cfg.sample_rate_hz * cfg.channels * 2 * ENCODE_RATIO[cfg.codec]
+    return int(est) + SAMPLE_OVERHEAD_BYTES
+
+
+def _filter(cfg: PackConfig, item, info) -> tuple[float, dict | None]:
+    """(duration_s, None) for a usable probe result, else (0, reject row without key)."""
+    from shardtrain.pack.probe import SEGMENT_TOLERANCE_S
+
+    path = str(item.audio)
+
+    def reject(reason: str, detail: str = "") -> tuple[float, dict]:
+        row = {"id": item.id, "key": None, "path": path, "reason": reason}
+        if detail:
+            row["detail"] = detail
+        return 0.0, row
+
+    if isinstance(info, BaseException):
+        return reject(*error_reason(info, "unreadable_audio"))
+    start_s = float(item.start_s or 0.0)
+    duration_s = float(item.duration_s) if item.duration_s is not None else info.duration_s - start_s
+    if info.num_samples <= 0 or duration_s <= 0:
+        return reject("empty_audio", "0 samples")
+    if start_s + duration_s > info.duration_s + SEGMENT_TOLERANCE_S:
+        return reject("segment_out_of_range", f"{start_s}+{duration_s}s > {info.duration_s}s")
+    if cfg.min_duration_s is not None and duration_s < cfg.min_duration_s:
+        return reject("too_short")
+    if cfg.max_duration_s is not None and duration_s > cfg.max_duration_s:
+        return reject("too_long")
+    return duration_s, None
+
+
+def sample_digest(s: PlannedSample) -> bytes:
+    """sha256[:16] of everything that shapes a sample's bytes except its key (the driver adds the key)."""
+    ident = s.identity()
+    ident.pop("key")
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).digest()[:DIGEST_BYTES]
+
+
+def _early_reject(x) -> dict | None:
+    """Reject row for a source Reject or an empty transcript (decided without audio), else None."""
+    from shardtrain.pack.sources import Item
+
+    if not isinstance(x, Item):
+        code, _, detail = str(x.reason).partition(": ")
+        row = {"id": str(x.id), "key": None, "path": str(x.path), "reason": code}
+        if detail:
+            row["detail"] = detail
+        return row
+    if not (x.text or "").strip():
+        return {"id": str(x.id), "key": None, "path": str(x.audio), "reason": "empty_transcript"}
+    return None
+
+
+def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
+    """Read, probe and filter one part. Returns its PartScan and one record per candidate,
+    `(Item, AudioInfo, duration_s, est_bytes)` (AudioInfo None for a late reject). Never raises for bad items.
+    Cost: one header read (plus a stat for kept files) per item, `cfg.probe_threads` at a time."""
+    from shardtrain.pack.sources import part_items
+
+    early, cands, positions = [], [], []
+    n = 0
+    for n, x in enumerate(part_items(part, cfg.storage_options), 1):
+        row = _early_reject(x)
+        if row is not None:
+            early.append((n - 1, row))
+        else:
+            cands.append(x)
+            positions.append(n - 1)
+    with ThreadPoolExecutor(min(cfg.probe_threads, max(1, len(cands)))) as ex:
+        probed = list(ex.map(lambda it: _probe_one(cfg, it), cands))
+    m = len(cands)
+    ok, dur, est = np.zeros(m, bool), np.zeros(m, np.float64), np.zeros(m, np.int64)
+    digest = np.zeros(m, f"S{DIGEST_BYTES}")
+    late: dict[int, dict] = {}
+    records: list[Any] = []
+    for j, (item, (info, nbytes)) in enumerate(zip(cands, probed)):
+        duration_s, reject = _filter(cfg, item, info)
+        if reject is not None:
+            late[j] = reject
+            records.append((item, None, 0.0, 0))
+            continue
+        e = _estimate_bytes(cfg, info, duration_s, nbytes)
+        ok[j], dur[j], est[j] = True, duration_s, e
+        digest[j] = sample_digest(PlannedSample(key="", item=item, info=info, duration_s=duration_s, est_bytes=e))
+        records.append((item, info, duration_s, e))
+    scan = PartScan(index=part.index, items=n, early=early, pos=np.asarray(positions, np.int32),
+                    ids=pa.array([c.id for c in cands], pa.string()),
+                    keys=pa.array([sanitize_key(c.id) for c in cands], pa.string()),
+                    ok=ok, late=late, duration_s=dur, est_bytes=est, digest=digest)
+    return scan, records
