@@ -310,3 +310,43 @@ def test_cli_pack_and_inspect(corpus, tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["totals"]["samples"] == 28 and d["codecs"] == {"flac": 28}
     assert cli.main(["pack", str(corpus), str(tmp_path / "o2"), "--codec", "opus", "--sample-rate", "22050"]) == 2
+
+
+# ---- engine-independent planning (pack/scan.py, pack/plan.py) ----------------------------------------------------
+def test_part_boundaries_do_not_change_the_output(corpus, tmp_path):
+    """Listing/probe tasks cover `part_items` items each; the plan (and so every byte) must not depend on it."""
+    _pack(corpus, tmp_path / "a", part_items=1024)
+    _pack(corpus, tmp_path / "b", part_items=3)
+    assert _dataset_bytes(tmp_path / "a") == _dataset_bytes(tmp_path / "b")
+
+
+def test_columnar_keys_equal_assign_keys():
+    import pyarrow as pa
+
+    from shardtrain.pack.plan import assign_keys_columnar
+
+    def columnar(ids):
+        return assign_keys_columnar(pa.chunked_array([pa.array(ids)]),
+                                    pa.chunked_array([pa.array([sanitize_key(i) for i in ids])])).to_pylist()
+
+    ids = ["a.b/c", "a_b_c", "a/b.c", "ok-1", "x" * 120, "x" * 119 + "y", "", "é", "plain"]
+    assert columnar(ids) == [assign_keys(ids)[i] for i in ids]
+    clash = assign_keys(["a.b", "a/b"])["a.b"]  # "a_b-<sha8>": an id equal to it clashes on the second level
+    ids2 = ["a.b", "a/b", clash]
+    assert columnar(ids2) == [assign_keys(ids2)[i] for i in ids2] and len(set(columnar(ids2))) == 3
+
+
+def test_index_streamed_in_row_groups_equals_index_bytes(monkeypatch, tmp_path):
+    from shardtrain.format import manifest as index
+    from shardtrain.pack.packer import _IndexRows
+
+    monkeypatch.setattr(index, "ROW_GROUP", 4)  # several row groups, split across shards
+    rows = [{"key": f"k{i:03d}", "shard": i // 3, "offset": i, "size": 1, "audio_offset": 1, "audio_size": 1,
+             "json_offset": 1, "json_size": 1, "codec": "flac", "duration_s": i / 10, "num_samples": i,
+             "sample_rate_hz": 16000, "channels": 1, "text": "t" * i, "speaker": None, "language": "en",
+             "source": f"/a/{i}.flac"} for i in range(11)]
+    acc = _IndexRows()
+    for s in range(4):
+        assert "rows" not in acc.add({"shard": s, "rows": [r for r in rows if r["shard"] == s], "info": {}})
+    assert acc.write(str(tmp_path), None, 4) == 11
+    assert (tmp_path / index.INDEX).read_bytes() == index.index_bytes(index.index_table(rows))

@@ -141,6 +141,10 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
                    direct_http=direct_http)
 
 
+ROW_GROUP = 1 << 20
+"""Rows per index.parquet row group (pack streams the index in groups of this size)."""
+
+
 def index_table(rows: list[dict]) -> pa.Table:
     """Rows (dicts with INDEX_SCHEMA's names) to a typed table; missing nullable fields become null."""
     cols = {name: [r.get(name) for r in rows] for name in INDEX_SCHEMA.names}
@@ -154,7 +158,7 @@ def index_bytes(table: pa.Table) -> bytes:
         table.replace_schema_metadata(None),
         buf,
         compression="zstd",
-        row_group_size=1 << 20,
+        row_group_size=ROW_GROUP,
         write_statistics=True,
         store_schema=False,
     )

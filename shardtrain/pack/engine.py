@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -140,7 +140,7 @@ def pack_records(records: list) -> tuple[np.ndarray, np.ndarray]:
 
 def unpack_record(packed: tuple[np.ndarray, np.ndarray], row: int) -> Any:
     offsets, blob = packed
-    return pickle.loads(memoryview(blob)[int(offsets[row]): int(offsets[row + 1])])
+    return pickle.loads(blob.data[int(offsets[row]): int(offsets[row + 1])])
 
 
 def _ray_scan(cfg, part: SourcePart) -> tuple[PartScan, tuple[np.ndarray, np.ndarray]]:
@@ -206,7 +206,7 @@ class RayEngine:
 
     def scan(self, cfg, parts: Iterable[SourcePart], on_part: Callable[[PartScan], None]) -> list[PartScan]:
         def submit(part: SourcePart):
-            scan_ref, records_ref = self._scan_fn.remote(cfg, part)
+            scan_ref, records_ref = cast(list, self._scan_fn.remote(cfg, part))  # num_returns=2
             self._records[part.index] = records_ref
             return scan_ref
 

@@ -24,8 +24,13 @@ pytestmark = pytest.mark.slow
 
 KILLED_SHARD = 9
 """The cluster's workers run with SHARDTRAIN_FAULTS="pack.shard=9:kill": the worker that first starts shard 9 of
-any plan SIGKILLs itself (once per plan, marker in the temp folder). Only test_worker_killed_mid_task_is_retried
-plans 10+ shards; the others stay below."""
+any plan SIGKILLs itself (once per plan, marker in the temp folder). test_worker_killed_mid_task_is_retried plans
+10 shards and checks that it fired; the driver-kill test's re-run may cross it too; the rest plan fewer shards."""
+
+
+def _fault_marker(out: Path) -> Path:
+    fp = json.loads((out / "manifest.json").read_text())["fingerprint"]
+    return Path(tempfile.gettempdir()) / f"shardtrain-fault-{fp[:16]}-pack.shard-{KILLED_SHARD}"
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +126,7 @@ def test_ray_output_is_byte_identical_to_local(cluster, fmt, tmp_path):
 
 def test_worker_killed_mid_task_is_retried(cluster, tone_corpus, tmp_path):
     on_ray = _pack(tone_corpus, tmp_path / "ray", "ray", max_samples_per_shard=3)  # 10 shards: shard 9 is killed
-    fp = json.loads((tmp_path / "ray" / "manifest.json").read_text())["fingerprint"]
-    fired = Path(tempfile.gettempdir()) / f"shardtrain-fault-{fp[:16]}-pack.shard-{KILLED_SHARD}"
+    fired = _fault_marker(tmp_path / "ray")
     assert fired.exists(), "the armed fault did not kill a worker"
     fired.unlink()
     assert on_ray.shards == 10 and on_ray.shards_written == 10
@@ -158,6 +162,7 @@ def test_driver_killed_mid_run_then_rerun_writes_only_missing(cluster, tmp_path)
         now = (out / name).stat()
         assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns), name
     assert not (out / "_work").exists()
+    _fault_marker(out).unlink(missing_ok=True)
     _pack(src, tmp_path / "clean", "local", max_samples_per_shard=1)
     assert _sha256s(out) == _sha256s(tmp_path / "clean")
 
