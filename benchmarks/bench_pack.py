@@ -44,14 +44,56 @@ def _git_sha() -> str:
         return ""
 
 
-def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float, decode_check: bool = True) -> dict:
+def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float, decode_check: bool = True,
+                   engine: str = "local") -> dict:
     from shardtrain.pack.packer import PackConfig, pack
 
+    ray_start_s = 0.0
+    if engine == "ray":  # a local Ray cluster of `workers` CPUs, started outside the timed section
+        import ray
+
+        t0 = time.perf_counter()
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        ray_start_s = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        r = pack(PackConfig(input=str(corpus), output=str(out), workers=workers, target_shard_mb=target_shard_mb,
+                            decode_check=decode_check, progress=False, engine=engine))
+        wall_s = time.perf_counter() - t0
+    finally:
+        if engine == "ray":
+            ray.shutdown()
+    out_d = {"wall_s": wall_s, "files": r.samples, "audio_s": r.seconds, "bytes": _dir_bytes(out),
+             "shards": r.shards, "probe_s": r.probe_s}
+    if engine == "ray":
+        out_d["ray_start_s"] = ray_start_s
+    return out_d
+
+
+def _decode_part(files: list[str]) -> tuple[int, float]:
+    import soundfile as sf
+
+    audio_s = 0.0
+    for path in files:
+        with sf.SoundFile(path) as f:
+            n = sum(len(b) for b in f.blocks(blocksize=1 << 16, dtype="int16"))
+            audio_s += n / f.samplerate
+    return len(files), audio_s
+
+
+def run_decode_only(corpus: Path, out: Path, workers: int, target_shard_mb: float) -> dict:
+    """The decode check's floor: every file fully decoded (int16, as the check does), `workers` processes, nothing
+    written. pack (with the check) cannot beat webdataset + this on the same cores."""
+    files = sorted(str(p) for p in corpus.glob("*.flac"))
+    parts = [files[len(files) * k // workers: len(files) * (k + 1) // workers] for k in range(workers)]
     t0 = time.perf_counter()
-    r = pack(PackConfig(input=str(corpus), output=str(out), workers=workers, target_shard_mb=target_shard_mb,
-                        decode_check=decode_check, progress=False))
-    return {"wall_s": time.perf_counter() - t0, "files": r.samples, "audio_s": r.seconds, "bytes": _dir_bytes(out),
-            "shards": r.shards, "probe_s": r.probe_s}
+    if workers == 1:
+        res = [_decode_part(parts[0])]
+    else:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            res = pool.map(_decode_part, parts)
+    return {"wall_s": time.perf_counter() - t0, "files": sum(n for n, _ in res), "audio_s": sum(a for _, a in res),
+            "bytes": 0, "shards": 0}
 
 
 def _wds_part(args) -> tuple[int, float]:
@@ -102,6 +144,23 @@ def run_lhotse(corpus: Path, out: Path, workers: int, shard_size: int) -> dict:
             "bytes": _dir_bytes(out), "shards": len(list(out.glob("recording.*.tar"))), "probe_s": probe_s}
 
 
+def _run_tool(tool: str, args, corpus: Path, root: Path, workers: int, n_files: int, in_bytes: int) -> dict:
+    out = root / f"out-{tool}-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        if tool.startswith("shardtrain"):  # "-nocheck": without the full decode of kept audio; "-ray": Ray engine
+            return run_shardtrain(corpus, out, workers, args.target_shard_mb, not tool.endswith("-nocheck"),
+                                  "ray" if tool.endswith("-ray") else "local")
+        if tool == "decode-only":
+            return run_decode_only(corpus, out, workers, args.target_shard_mb)
+        if tool == "webdataset":
+            return run_webdataset(corpus, out, workers, args.target_shard_mb)
+        per_shard = max(1, int(n_files * args.target_shard_mb * (1 << 20) / max(in_bytes, 1)))
+        return run_lhotse(corpus, out, workers, per_shard)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def make_input(args, root: Path) -> Path:
     if args.speech:
         from shardtrain.testing.speech import synth_speech_corpus
@@ -127,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to measure")
     ap.add_argument("--target-shard-mb", type=float, default=16.0, help="shard size for shardtrain and webdataset")
     ap.add_argument("--tools", nargs="+", default=["shardtrain", "shardtrain-nocheck", "webdataset", "lhotse"],
-                    help="which tools to run (shardtrain shardtrain-nocheck webdataset lhotse)")
+                    help="which tools to run (shardtrain shardtrain-nocheck shardtrain-ray webdataset decode-only "
+                         "lhotse)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the tool list this many times, alternating (A/B), and report each tool's median")
     ap.add_argument("--work-dir", default=None, help="where to put corpus and outputs (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args(argv)
@@ -147,30 +209,30 @@ def main(argv: list[str] | None = None) -> int:
         in_bytes = sum(p.stat().st_size for p in corpus.glob("*.flac"))
         rows = []
         for workers in args.workers:
-            for tool in args.tools:
-                out = root / f"out-{tool}-{workers}"
-                shutil.rmtree(out, ignore_errors=True)
-                if tool.startswith("shardtrain"):  # "shardtrain-nocheck": without the full decode of kept audio
-                    r = run_shardtrain(corpus, out, workers, args.target_shard_mb, tool == "shardtrain")
-                elif tool == "webdataset":
-                    r = run_webdataset(corpus, out, workers, args.target_shard_mb)
-                else:
-                    per_shard = max(1, int(n_files * args.target_shard_mb * (1 << 20) / max(in_bytes, 1)))
-                    r = run_lhotse(corpus, out, workers, per_shard)
-                r.update(tool=tool, workers=workers, files_per_s=r["files"] / r["wall_s"],
-                         audio_h_per_s=r["audio_s"] / 3600 / r["wall_s"], mb_per_s=r["bytes"] / 1e6 / r["wall_s"])
+            runs: dict[str, list[dict]] = {t: [] for t in args.tools}
+            for _ in range(args.repeats):  # A/B: the tools alternate, so load drift on a shared machine hits all
+                for tool in args.tools:
+                    runs[tool].append(_run_tool(tool, args, corpus, root, workers, n_files, in_bytes))
+            wds = [r["wall_s"] for r in runs.get("webdataset", [])]
+            for tool, rs in runs.items():
+                r = sorted(rs, key=lambda x: x["wall_s"])[len(rs) // 2]  # the median run
+                r.update(tool=tool, workers=workers, runs_wall_s=[round(x["wall_s"], 3) for x in rs],
+                         files_per_s=r["files"] / r["wall_s"], audio_h_per_s=r["audio_s"] / 3600 / r["wall_s"],
+                         mb_per_s=r["bytes"] / 1e6 / r["wall_s"])
+                if wds:
+                    r["x_webdataset"] = r["wall_s"] / sorted(wds)[len(wds) // 2]
                 rows.append(r)
-                shutil.rmtree(out, ignore_errors=True)
         record = {"bench": "pack", "git_sha": _git_sha(), "cpus": os.cpu_count(),
                   "config": {k: v for k, v in vars(args).items() if k not in ("work_dir", "keep")},
                   "corpus": {"files": n_files, "bytes": in_bytes, "make_s": round(make_s, 2)},
                   "results": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}
         print(json.dumps(record, sort_keys=True))
         print(f"\n{'tool':<19} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
-              f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6}")
+              f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6} {'x_wds':>6}")
         for r in rows:
             print(f"{r['tool']:<19} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
-                  f"{r['files_per_s']:>8.0f} {r['audio_h_per_s']:>9.3f} {r['mb_per_s']:>7.1f} {r['shards']:>6}")
+                  f"{r['files_per_s']:>8.0f} {r['audio_h_per_s']:>9.3f} {r['mb_per_s']:>7.1f} {r['shards']:>6} "
+                  f"{r.get('x_webdataset', float('nan')):>6.2f}")
     finally:
         if not args.keep and not args.work_dir:
             shutil.rmtree(root, ignore_errors=True)

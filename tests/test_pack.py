@@ -345,8 +345,12 @@ def test_index_streamed_in_row_groups_equals_index_bytes(monkeypatch, tmp_path):
              "json_offset": 1, "json_size": 1, "codec": "flac", "duration_s": i / 10, "num_samples": i,
              "sample_rate_hz": 16000, "channels": 1, "text": "t" * i, "speaker": None, "language": "en",
              "source": f"/a/{i}.flac"} for i in range(11)]
-    acc = _IndexRows()
+    work = tmp_path / "_work"
+    work.mkdir()
+    acc = _IndexRows(str(tmp_path), None)
     for s in range(4):
-        assert "rows" not in acc.add({"shard": s, "rows": [r for r in rows if r["shard"] == s], "info": {}})
-    assert acc.write(str(tmp_path), None, 4) == 11
+        marker = {"shard": s, "rows": [r for r in rows if r["shard"] == s], "info": {}}
+        (work / f"shard-{s:06d}.json").write_text(json.dumps(marker))
+        assert "rows" not in acc.add(marker)
+    assert acc.write(4) == 11
     assert (tmp_path / index.INDEX).read_bytes() == index.index_bytes(index.index_table(rows))

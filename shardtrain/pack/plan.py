@@ -64,6 +64,8 @@ class Plan:
     fingerprint: str
     samples: int
     shards: int
+    items: int
+    """Items read from the input (samples + rejects before encoding)."""
     rejects: Rejects
     _order: np.ndarray
     """Global candidate index of each accepted sample, in plan order."""
@@ -130,7 +132,7 @@ def assign_keys_columnar(ids: pa.ChunkedArray, sanitized: pa.ChunkedArray) -> pa
 
 def _concat(scans: list[PartScan], name: str) -> np.ndarray:
     arrays = [getattr(s, name) for s in scans]
-    return np.concatenate(arrays) if arrays else np.zeros(0)
+    return np.concatenate(arrays) if arrays else getattr(PartScan(index=0, items=0), name)
 
 
 def _early_rejects(scans: list[PartScan], dup: np.ndarray, starts: np.ndarray, rejects: Rejects,
@@ -149,14 +151,15 @@ def _early_rejects(scans: list[PartScan], dup: np.ndarray, starts: np.ndarray, r
 
 def cut_shards(est_bytes: np.ndarray, target_bytes: int, max_samples: int | None) -> np.ndarray:
     """Cut points over samples in plan order: a shard ends before the sample that would pass `target_bytes`
-    (estimated) or `max_samples`. Returns [0, ..., n]."""
+    (estimated) or `max_samples`. Returns [0, ..., n]. Walks the sizes in chunks (no Python int per item)."""
     cuts = [0]
-    cur = 0
-    for i, b in enumerate(est_bytes.tolist()):
-        if i > cuts[-1] and (cur + b > target_bytes or (max_samples is not None and i - cuts[-1] >= max_samples)):
-            cuts.append(i)
-            cur = 0
-        cur += b
+    cur, start = 0, 0
+    for a in range(0, len(est_bytes), 1 << 16):
+        for i, b in enumerate(est_bytes[a: a + (1 << 16)].tolist(), a):
+            if i > start and (cur + b > target_bytes or (max_samples is not None and i - start >= max_samples)):
+                cuts.append(i)
+                cur, start = 0, i
+            cur += b
     if len(est_bytes):
         cuts.append(len(est_bytes))
     return np.asarray(cuts, np.int64)
@@ -176,45 +179,53 @@ def fingerprint(options: dict, keys: pa.Array, digests: np.ndarray, cuts: np.nda
 
 
 def make_plan(cfg, scans: list[PartScan], path_of: Callable[[int, int], str]) -> Plan:
-    """The whole plan from the scans (in part order). `path_of(part, row)` gives a candidate's audio path (only
-    asked for duplicates). Raises PackError under cfg.strict at the first reject in input order."""
-    scans = sorted(scans, key=lambda s: s.index)
+    """The whole plan from the scans (any order; sorted by part here). `path_of(part, row)` gives a candidate's
+    audio path (only asked for duplicates). Raises PackError under cfg.strict at the first reject in input order.
+    Consumes `scans`: the list is emptied once its columns are concatenated, so that the driver's peak holds each
+    column once (pass a list nobody else keeps)."""
+    scans.sort(key=lambda s: s.index)
+    items = sum(s.items for s in scans)
     sizes = np.asarray([len(s.pos) for s in scans], np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(scans) else np.zeros(0, np.int64)
     ids = pa.chunked_array([s.ids for s in scans], pa.string())
+    sanitized = pa.chunked_array([s.keys for s in scans], pa.string())
     dup = _duplicates(ids)
     rejects = Rejects(strict=cfg.strict, rows=[])
     _early_rejects(scans, dup, starts, rejects, path_of)
+    late = [(int(starts[p]) + j, scan.late[j]) for p, scan in enumerate(scans) for j in sorted(scan.late)]
+    ok, dur, est, digest = (_concat(scans, name) for name in ("ok", "duration_s", "est_bytes", "digest"))
+    scans.clear()
 
     kept = np.flatnonzero(~dup)
     keys = pa.array([], pa.string())
-    if len(kept):
+    if len(kept) == len(dup) and len(kept):  # no duplicates: no copies
+        keys = assign_keys_columnar(ids, sanitized)
+    elif len(kept):
         sel = pa.array(kept)
-        keys = assign_keys_columnar(ids.take(sel), pa.chunked_array([s.keys for s in scans], pa.string()).take(sel))
+        keys = assign_keys_columnar(ids.take(sel), sanitized.take(sel))
+    del ids, sanitized
     key_of = np.full(len(dup), -1, np.int64)
     key_of[kept] = np.arange(len(kept))
-    for p, scan in enumerate(scans):  # probe failures and duration filters, input order, now with their keys
-        for j in sorted(scan.late):
-            row = dict(scan.late[j])
-            g = starts[p] + j
-            if dup[g]:
-                continue
-            row["key"] = keys[int(key_of[g])].as_py()
-            rejects.add(row)
+    for g, reject in late:  # probe failures and duration filters, input order, now with their keys
+        if not dup[g]:
+            rejects.add({**reject, "key": keys[int(key_of[g])].as_py()})
 
-    ok = _concat(scans, "ok").astype(bool) & ~dup
-    acc = np.flatnonzero(ok)
-    dur, est = _concat(scans, "duration_s")[acc], _concat(scans, "est_bytes")[acc]
-    acc_keys = keys.take(pa.array(key_of[acc])) if len(acc) else pa.array([], pa.string())
-    by = pc.sort_indices(pa.table({"d": pa.array(dur, pa.float64()), "k": acc_keys}),
-                         sort_keys=[("d", "ascending"), ("k", "ascending")]).to_numpy()
+    acc = np.flatnonzero(ok.astype(bool) & ~dup)
+    del dup, ok
+    acc_keys = keys.take(pa.array(key_of[acc])) if len(acc) < len(keys) else keys
+    del key_of, keys
+    key_rank = np.empty(len(acc), np.int64)  # (duration_s, key) order: numpy lexsort on (rank of key, duration)
+    key_rank[pc.sort_indices(acc_keys).to_numpy()] = np.arange(len(acc))
+    by = np.lexsort((key_rank, dur[acc]))
+    del key_rank, dur
     order = acc[by]
     plan_keys = acc_keys.take(pa.array(by)) if len(by) else acc_keys
-    cuts = cut_shards(est[by], int(cfg.target_shard_mb * (1 << 20)), cfg.max_samples_per_shard)
-    digests = np.concatenate([s.digest for s in scans])[order] if len(order) else np.zeros(0, f"S{DIGEST_BYTES}")
-    fp = fingerprint(cfg.dataset_options(), plan_keys, digests, cuts)
-    return Plan(fingerprint=fp, samples=len(order), shards=len(cuts) - 1 if len(cuts) else 0, rejects=rejects,
-                _order=order, _cuts=cuts, _starts=starts, _keys=plan_keys)
+    del acc_keys, acc, by
+    cuts = cut_shards(est[order], int(cfg.target_shard_mb * (1 << 20)), cfg.max_samples_per_shard)
+    del est
+    fp = fingerprint(cfg.dataset_options(), plan_keys, digest[order] if len(order) else digest[:0], cuts)
+    return Plan(fingerprint=fp, samples=len(order), shards=len(cuts) - 1 if len(cuts) else 0, items=items,
+                rejects=rejects, _order=order, _cuts=cuts, _starts=starts, _keys=plan_keys)
 
 
 def iter_specs(plan: Plan, skip: set[int] | frozenset = frozenset()) -> Iterator[ShardSpec]:
