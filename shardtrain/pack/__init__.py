@@ -4,8 +4,11 @@
     probe.py       audio headers -> AudioInfo (duration, rate, channels, codec; exact MP3 lengths)
     transcode.py   keep original bytes or transcode to the target codec/rate/channels, with a decode check
     keys.py        sample keys that are safe in tar names and in webdataset (sanitised, de-duplicated)
-    shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process)
-    packer.py      PackConfig and pack(): probe in threads -> global sort -> plan shards -> write in a pool -> commit
+    scan.py        one part of the input = one task: read items, probe headers, per-item filters -> PartScan
+    plan.py        the global plan on the driver from PartScans: duplicates, keys, rejects, sort, shards, fingerprint
+    shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process or a Ray task)
+    engine.py      where tasks run: LocalEngine (this process + a process pool) or RayEngine (`--engine ray`)
+    packer.py      PackConfig and pack(): parts -> engine.scan -> make_plan -> engine.write -> index -> manifest
     verify.py      `shardtrain inspect [--verify]`: summaries and integrity checks of a packed dataset
 """
 from shardtrain.pack.packer import PackConfig, PackResult, pack

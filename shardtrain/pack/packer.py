@@ -27,6 +27,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
@@ -202,9 +203,10 @@ class _Progress:
 
 class _IndexRows:
     """index.parquet from the done-markers in `_work/` (they hold each shard's index rows), read back one shard at
-    a time in shard order and streamed into row groups of index.ROW_GROUP rows. The driver never holds more than
-    one row group of rows (~45 MB with LibriSpeech-length transcripts), whatever the dataset size; the cost is one
-    read of each marker (~1.5 KB of JSON per sample). Same bytes as index.index_bytes of the whole table."""
+    a time in shard order and streamed into row groups of index.ROW_GROUP rows in a local temp file. The driver
+    never holds more than one row group of rows (~45 MB with LibriSpeech-length transcripts), whatever the dataset
+    size; the cost is one read of each marker (~1.5 KB of JSON per sample). Same bytes as index.index_bytes of the
+    whole table."""
 
     def __init__(self, out: str, so: dict | None) -> None:
         self.out, self.so = out, so
@@ -215,34 +217,46 @@ class _IndexRows:
         return {k: v for k, v in marker.items() if k != "rows"}
 
     def _tables(self, n: int):
+        storage.ls_names(storage.join(self.out, WORK), self.so)  # refreshes s3fs's listing cache of _work/
         for i in range(n):
             marker = json.loads(storage.read_bytes(storage.join(self.out, f"{WORK}/{marker_name(i)}"), self.so))
             yield index.index_table(marker["rows"])
 
     def write(self, n: int) -> int:
-        """Write index.parquet from shards 0..n-1; returns the row count."""
-        import io as _io
+        """Write index.parquet from shards 0..n-1 (through a local temp file: renamed, or uploaded whole); returns
+        the row count."""
+        import os
+        import tempfile
 
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        group = index.ROW_GROUP
-        buf, rows = _io.BytesIO(), 0
-        with pq.ParquetWriter(buf, index.INDEX_SCHEMA.remove_metadata(), compression="zstd", write_statistics=True,
-                              store_schema=False) as w:
-            pending: list = []
-            held = 0
-            for t in self._tables(n):
-                pending.append(t)
-                held, rows = held + len(t), rows + len(t)
-                if held >= group:
-                    c = pa.concat_tables(pending)
-                    k = len(c) // group * group
-                    w.write_table(c.slice(0, k), row_group_size=group)
-                    pending, held = [c.slice(k)], len(c) - k
-            if held or not rows:
-                w.write_table(pa.concat_tables(pending) if pending else index.index_table([]), row_group_size=group)
-        storage.atomic_write_bytes(storage.join(self.out, index.INDEX), buf.getvalue(), self.so)
+        url = storage.join(self.out, index.INDEX)
+        local_dir = storage.fs_and_path(storage.join(self.out, WORK), self.so)[1] if storage.is_local(self.out) \
+            else None
+        fd, tmp = tempfile.mkstemp(prefix=index.INDEX + ".", suffix=".tmp", dir=local_dir)
+        os.close(fd)
+        group, rows = index.ROW_GROUP, 0
+        try:
+            with pq.ParquetWriter(tmp, index.INDEX_SCHEMA.remove_metadata(), compression="zstd",
+                                  write_statistics=True, store_schema=False) as w:
+                pending: list = []
+                held = 0
+                for t in self._tables(n):
+                    pending.append(t)
+                    held, rows = held + len(t), rows + len(t)
+                    if held >= group:
+                        c = pa.concat_tables(pending)
+                        k = len(c) // group * group
+                        w.write_table(c.slice(0, k), row_group_size=group)
+                        pending, held = [c.slice(k)], len(c) - k
+                if held or not rows:
+                    w.write_table(pa.concat_tables(pending) if pending else index.index_table([]),
+                                  row_group_size=group)
+            storage.commit_local_file(tmp, url, self.so)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         return rows
 
 
@@ -335,7 +349,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     storage.atomic_write_bytes(storage.join(out, REJECTS),
                                b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in all_rejects), so)
     shards = [index.ShardInfo.from_dict(m["info"]) for m in markers]
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": index.FORMAT,
         "format_version": index.FORMAT_VERSION,
         "tool_version": __version__,
