@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -203,6 +204,10 @@ def test_resume_after_killed_worker(corpus, tmp_path):
     done = sorted(p.name for p in (out / "_work").glob("shard-*.json"))
     assert 0 < len(done) < 8
     before = {n.replace(".json", ".tar"): (out / n.replace(".json", ".tar")).stat() for n in done}
+    fp = json.loads((out / "_work" / "plan.json").read_text())["fingerprint"]
+    fired = Path(tempfile.gettempdir()) / f"shardtrain-fault-{fp[:16]}-pack.shard-5"  # the fault's once-marker
+    assert fired.exists()
+    fired.unlink()
 
     r = _pack(corpus, out, workers=2)
     assert r.shards == 8 and r.shards_written == 8 - len(done)
