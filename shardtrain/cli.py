@@ -153,10 +153,10 @@ def _cmd_inspect(args) -> int:
 
     try:
         ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
+        summary = inspect(ds)
     except DatasetError as e:
         print(f"inspect: error: {e}", file=sys.stderr)
         return 2
-    summary = inspect(ds)
     problems = verify(ds, progress=not args.no_progress) if args.verify else None
     if args.json:
         if problems is not None:
@@ -338,10 +338,13 @@ def _cmd_train(args) -> int:
         raise SystemExit(f"train: {e}") from None
     # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    from shardtrain.format.manifest import DatasetError
+    from shardtrain.load.reader import StreamError
+
     try:
         result = train(cfg, world, resume=args.resume or attempt > 0, attempt=attempt,
                        storage_options=_parse_storage_options(args.storage_option) or None)
-    except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
+    except (ValueError, DatasetError, StreamError) as e:  # config/dataset problems: one line, not a traceback
         raise SystemExit(f"train: {e}") from None
     if world.is_main:
         print(json.dumps(result, sort_keys=True))
