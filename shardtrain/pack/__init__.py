@@ -6,6 +6,7 @@
     keys.py        sample keys that are safe in tar names and in webdataset (sanitised, de-duplicated)
     shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process)
     packer.py      PackConfig and pack(): probe in threads -> global sort -> plan shards -> write in a pool -> commit
+    lifeline.py    pool workers die with the pack that started them (PDEATHSIG + a parent-watch thread)
     verify.py      `shardtrain inspect [--verify]`: summaries and integrity checks of a packed dataset
 """
 from shardtrain.pack.packer import PackConfig, PackResult, pack

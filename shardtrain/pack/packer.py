@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
@@ -39,6 +40,7 @@ from shardtrain.format import manifest as index
 from shardtrain.format.codecs import CODECS, ENCODE_RATIO
 from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, error_reason, marker_name, write_shard
 from shardtrain.pack.keys import assign_keys
+from shardtrain.pack.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -307,17 +309,29 @@ def fingerprint(cfg: PackConfig, plan: list[list[PlannedSample]]) -> str:
     return h.hexdigest()
 
 
+def _fingerprint_in(url: str, so: dict | None) -> str | None:
+    """The `fingerprint` recorded in a manifest or plan.json; "unreadable" when it is not a JSON object with one
+    (a damaged or hostile file counts as a different dataset: refused unless --overwrite)."""
+    from shardtrain.format.validate import DatasetError, parse_manifest
+
+    try:
+        found = parse_manifest(storage.read_bytes(url, so), url).get("fingerprint")
+    except DatasetError:
+        return "unreadable"
+    return found if isinstance(found, str) else "unreadable"
+
+
 def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
     """'complete' | 'resume' | 'fresh'; raises PackError for a different dataset unless cfg.overwrite."""
     so = cfg.storage_options
     names = set(storage.ls_names(out, so))
     found = None
     if index.MANIFEST in names:
-        found = json.loads(storage.read_bytes(storage.join(out, index.MANIFEST), so)).get("fingerprint")
+        found = _fingerprint_in(storage.join(out, index.MANIFEST), so)
         if found == fp:
             return "complete"
     elif WORK in names and "plan.json" in storage.ls_names(storage.join(out, WORK), so):
-        found = json.loads(storage.read_bytes(storage.join(out, WORK + "/plan.json"), so)).get("fingerprint")
+        found = _fingerprint_in(storage.join(out, WORK + "/plan.json"), so)
         if found == fp:
             return "resume"
     ours = {n for n in names if n.startswith("shard-") or n in (index.MANIFEST, index.INDEX, REJECTS)}
@@ -335,7 +349,25 @@ def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
 
 
 def pack(cfg: PackConfig) -> PackResult:
-    """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs."""
+    """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs.
+
+    The whole run holds OUTPUT's lock (storage.lock: `OUTPUT/_pack.lock`, exclusive locally and on S3), so a
+    second pack into the same OUTPUT is refused with the holder's host, pid and start time instead of racing
+    the first past the different-dataset guard and interleaving shards.
+    """
+    from shardtrain.storage.lock import LockHeld, acquire_lock
+
+    out = str(cfg.output).rstrip("/")
+    storage.makedirs(out, cfg.storage_options)
+    try:
+        lock = acquire_lock(out, cfg.storage_options)
+    except LockHeld as e:
+        raise PackError(str(e)) from None
+    with lock:
+        return _pack_locked(cfg)
+
+
+def _pack_locked(cfg: PackConfig) -> PackResult:
     from shardtrain.pack.transcode import AudioTarget
 
     t0 = time.perf_counter()
@@ -434,9 +466,11 @@ def _run_tasks(cfg: PackConfig, tasks: list[ShardTask]) -> dict[int, dict]:
                 bar.update(len(t.samples))
             return results
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode"])
+        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode",
+                                    "shardtrain.pack.lifeline"])
         try:
-            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx) as ex:
+            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx,
+                                     initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
                 # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
                 pending, it = {}, iter(tasks)
                 for t in it:

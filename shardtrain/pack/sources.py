@@ -181,6 +181,8 @@ def _read_transcript(fs: fsspec.AbstractFileSystem, txt: str, item_id: str, audi
         raw = fs.cat_file(txt)
     except FileNotFoundError:
         return Reject(item_id, audio, f"missing_transcript: no {posixpath.basename(txt)}")
+    except OSError as e:  # permissions, I/O errors: this utterance is rejected, the pack goes on
+        return Reject(item_id, audio, f"unreadable_transcript: {posixpath.basename(txt)}: {type(e).__name__}: {e}")
     try:
         return raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError as e:
@@ -338,6 +340,11 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item
             lines = fs.cat_file(trans).decode("utf-8").splitlines()
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), _ref(fs, trans), f"bad_transcript_encoding: {e}")
+            continue
+        except OSError as e:  # unreadable: every utterance of the chapter is rejected with the reason
+            for utt in sorted(audio):
+                yield Reject(utt, _ref(fs, audio[utt]), f"unreadable_transcript: {posixpath.basename(trans)}: "
+                                                        f"{type(e).__name__}: {e}")
             continue
         seen: set[str] = set()
         for line in lines:
