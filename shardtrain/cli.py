@@ -21,9 +21,18 @@ def init_logging(rank: int = 0, verbose: bool = False) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+    from shardtrain.storage.redact import RedactingFilter
+
+    for handler in logging.getLogger().handlers:  # -v shows botocore's request lines: never their credentials
+        handler.addFilter(RedactingFilter())
     # third-party INFO lines ("Found credentials in environment variables", ...) drown ours
     for noisy in ("aiobotocore", "botocore", "s3fs", "fsspec", "urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+_CREDS_HELP = ("Credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL) in the environment "
+               "or use an AWS profile (AWS_PROFILE, profile=NAME), not key=/secret= here: a command line is "
+               "visible to other users (ps) and kept in shell history; secret-looking values are masked in logs")
 
 
 def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> dict:
@@ -36,11 +45,16 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
     import json
     import os
 
+    from shardtrain.storage.redact import SECRET_NAME_RE
+
     out: dict = {}
     for pair in pairs or []:
         if "=" not in pair:
             raise SystemExit(f"--storage-option expects key=value, got {pair!r}")
         k, v = pair.split("=", 1)
+        if SECRET_NAME_RE.search(k) and k != "profile":
+            print(f"warning: --storage-option {k}=... puts a credential on the command line (visible in ps and "
+                  "shell history); prefer AWS_* environment variables or a profile", file=sys.stderr)
         try:
             out[k] = json.loads(v)
         except ValueError:
@@ -56,6 +70,12 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
         if region:
             ck.setdefault("region_name", region)
         out["client_kwargs"] = ck
+    from shardtrain.storage.redact import register_options, register_secret
+
+    register_options(out)  # masked in every log line from now on
+    register_secret(env.get("AWS_SECRET_ACCESS_KEY"))
+    register_secret(env.get("AWS_SESSION_TOKEN"))
+    register_secret(env.get("AWS_ACCESS_KEY_ID"), 12)
     return out
 
 
@@ -72,7 +92,7 @@ def _add_pack(sub) -> None:
                    help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse (default: auto)")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
-                        "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
+                        "client_kwargs='{\"endpoint_url\": \"http://127.0.0.1:8333\"}' or profile=NAME). " + _CREDS_HELP)
     p.add_argument("--codec", default="flac", choices=CODECS,
                    help="stored audio codec (default: flac)")
     p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
@@ -140,7 +160,7 @@ def _add_inspect(sub) -> None:
                         "exit code 1 on any problem")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
-                   help="fsspec storage option, repeatable (e.g. endpoint_url=http://127.0.0.1:8333)")
+                   help="fsspec storage option, repeatable (e.g. profile=NAME). " + _CREDS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar during --verify")
     p.set_defaults(func=_cmd_inspect)
 
@@ -254,7 +274,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--device", default="cpu", help="copy batches to this device, e.g. cuda (default cpu)")
     p.add_argument("--augment", action="store_true", help="also run the augmentation + log-mel chain per batch")
     p.add_argument("--cache-dir", default=None, help="local shard cache for remote datasets")
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option, repeatable. " + _CREDS_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_cmd_bench)
 
@@ -312,7 +333,7 @@ def _add_train(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set stream.bucket.max_batch_seconds=30 (repeatable)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec storage option for s3:// URLs (repeatable; JSON values parsed)")
+                   help="fsspec storage option for s3:// URLs (repeatable; JSON values parsed). " + _CREDS_HELP)
     p.set_defaults(func=_cmd_train)
 
 
@@ -373,7 +394,8 @@ def _add_augment_demo(sub) -> None:
     p.add_argument("--p", type=float, default=1.0,
                    help="probability of every wave op (speed, reverb, noise, gain) per example; 1.0 shows them all")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
-                   help="fsspec storage option for s3:// URLs (repeatable), e.g. client_kwargs='{\"endpoint_url\": ...}'")
+                   help="fsspec storage option for s3:// URLs (repeatable), e.g. client_kwargs='{\"endpoint_url\": ...}'. "
+                        + _CREDS_HELP)
     p.set_defaults(func=_cmd_augment_demo)
 
 

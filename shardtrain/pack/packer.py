@@ -41,6 +41,7 @@ from shardtrain.format.codecs import CODECS, ENCODE_RATIO
 from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, error_reason, marker_name, write_shard
 from shardtrain.pack.keys import assign_keys
 from shardtrain.pack.lifeline import die_with_parent
+from shardtrain.storage.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class PackConfig:
     """Dataset folder or prefix (local path, file://, s3://bucket/prefix)."""
     source_format: str = "auto"
     """Input format (`--source-format`): auto, or one of sources.SOURCE_FORMATS."""
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)
     """fsspec options for INPUT and OUTPUT (`--storage-option k=v`), e.g. endpoint_url for S3."""
     codec: str = "flac"
     """Stored audio codec (`--codec`): flac, wav, opus or mp3."""
@@ -415,7 +416,7 @@ def _pack_locked(cfg: PackConfig) -> PackResult:
         "tool_version": __version__,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fp,
-        "options": {"input": str(cfg.input), **cfg.dataset_options(), "decode_check": cfg.decode_check},
+        "options": {"input": redact_url(str(cfg.input)), **cfg.dataset_options(), "decode_check": cfg.decode_check},
         "index": index.INDEX,
         "rejects": REJECTS,
         "totals": {"samples": len(rows), "seconds": sum(s.seconds for s in shards),
