@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Any
 
 import numpy as np
 
@@ -75,14 +76,14 @@ def parse_manifest(raw: bytes, where: str) -> dict:
 
 
 def _int(d: dict, k: str, where: str, lo: int, hi: int) -> int:
-    v = d.get(k)
+    v: Any = d.get(k)
     if type(v) is not int or not lo <= v <= hi:  # noqa: E721 - bool is an int subclass and is not a count
         raise DatasetError(f"{where}.{k} = {show(v)} must be an integer in [{lo}, {hi}]")
     return v
 
 
 def _float(d: dict, k: str, where: str, lo: float, hi: float) -> float:
-    v = d.get(k)
+    v: Any = d.get(k)
     if type(v) not in (int, float) or not math.isfinite(v) or not lo <= v <= hi:
         raise DatasetError(f"{where}.{k} = {show(v)} must be a number in [{lo}, {hi}]")
     return float(v)
@@ -99,7 +100,7 @@ def check_shard_entry(s: object, where: str) -> dict:
     """One manifest `shards[i]` entry, type- and range-checked; returns the fields ShardInfo takes."""
     if not isinstance(s, dict):
         raise DatasetError(f"{where} = {show(s)} must be an object")
-    out = {
+    out: dict[str, Any] = {
         "name": _name(s, "name", where, SHARD_NAME_RE),
         "samples": _int(s, "samples", where, 0, MAX_SHARD_SAMPLES),
         "seconds": _float(s, "seconds", where, 0.0, MAX_DURATION_S * MAX_SHARD_SAMPLES),
@@ -241,8 +242,8 @@ def _check_offsets(table, shard: np.ndarray | None, shard_bytes: np.ndarray) -> 
                       present[a] + present[s] > end, {a: present[a], s: present[s]})
     if len(present) < 6:
         return
-    off, size, ao, asz, jo, jsz = (cols[k] for k in ("offset", "size", "audio_offset", "audio_size",  # type: ignore
-                                                     "json_offset", "json_size"))
+    off, size, ao, asz, jo, jsz = (present[k] for k in ("offset", "size", "audio_offset", "audio_size",
+                                                        "json_offset", "json_size"))
     stop = off + size
     inside = (ao - BLOCK >= off) & (ao + asz <= stop) & (jo - BLOCK >= off) & (jo + jsz <= stop)
     _fail(table, "audio and json members (with their headers) must lie inside [offset, offset + size)", ~inside,
@@ -257,6 +258,6 @@ def _check_offsets(table, shard: np.ndarray | None, shard_bytes: np.ndarray) -> 
         overlap = same & (off[order][1:] < stop[order][:-1])
         if overlap.any():
             i = int(np.flatnonzero(overlap)[0])
-            a, b = int(order[i]), int(order[i + 1])
-            raise DatasetError(f"index.parquet rows {a} and {b} overlap in shard {int(shard[a])}: bytes "
-                               f"[{off[a]}, {stop[a]}) and [{off[b]}, {stop[b]}) ({int(overlap.sum())} such pairs)")
+            r0, r1 = int(order[i]), int(order[i + 1])
+            raise DatasetError(f"index.parquet rows {r0} and {r1} overlap in shard {int(shard[r0])}: bytes "
+                               f"[{off[r0]}, {stop[r0]}) and [{off[r1]}, {stop[r1]}) ({int(overlap.sum())} such pairs)")

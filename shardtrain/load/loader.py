@@ -144,7 +144,8 @@ class Loader:
                  storage_options: dict | None = None):
         self.world, self.seed, self.cfg = world, seed, cfg
         self.ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
-        table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *CHECK_COLUMNS])
+        checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
+        table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
         rates = np.unique(table.column("sample_rate_hz").to_numpy())
         if len(rates) > 1:
             raise StreamError(f"{url} mixes sample rates {rates.tolist()}; repack with `shardtrain pack --sample-rate`")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.random  # noqa: F401 - numpy 2 imports it lazily on first use, inside the first plan
@@ -92,10 +93,10 @@ class PlanIndex:
     duration_s: np.ndarray  # float64
     num_samples: np.ndarray  # int64, so a reader can allocate a batch before decoding into it
     channels: np.ndarray  # int16
-    key: object = None
+    key: Any = None
     """pyarrow StringArray of sample keys when the table had them (the reader checks tar member names against
     them and reports them; ~25 bytes a row in Arrow buffers, shared with forked workers); None otherwise."""
-    text: object = None
+    text: Any = None
     """pyarrow StringArray of transcripts when read (the reader checks each `<key>.json` text against it)."""
 
     @classmethod
