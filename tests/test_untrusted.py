@@ -188,6 +188,17 @@ def test_malformed_manifest_is_one_clear_error(copy, raw, match, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_inspect_prints_manifest_strings_escaped(copy, capsys):
+    _manifest(copy, lambda m: m.update(created_utc="\x1b[2J\x1b]0;pwned\x07", tool_version="1" * 500))
+    assert cli.main(["inspect", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "1" * 100 not in out and "\\x1b[2J" in out
+    _index(copy, lambda rows: rows[0].update(codec="\x1b[2Jflac"))  # inspect prints the codec mix
+    assert cli.main(["inspect", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert "column codec holds" in err and "\x1b" not in err
+
+
 def _rewrite_shard(d, shard: int, replace: dict[str, bytes]) -> None:
     """Rewrite one shard with some members' data replaced, as a producer would: a valid tar, and index rows,
     manifest bytes and sha256 updated to match, so only the reader's own checks can catch the content."""

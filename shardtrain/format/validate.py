@@ -183,6 +183,13 @@ def check_index(table, shard_bytes: list[int], shard_samples: list[int]) -> None
         _fail(table, f"key must match {KEY_PATTERN}", ~ok, {})
         if len(pc.unique(keys)) != len(keys):
             raise DatasetError("index.parquet: column key holds duplicate keys")
+    if "codec" in names:
+        from shardtrain.format.codecs import CODECS
+
+        odd = set(table.column("codec").unique().to_pylist()) - set(CODECS)
+        if odd:
+            raise DatasetError(f"index.parquet: column codec holds {show(sorted(map(str, odd))[:3])}, not one of "
+                               f"{CODECS}")
     shard = _col(table, "shard", np.int64)
     if shard is not None:
         _fail(table, f"shard must be in [0, {len(shard_bytes)})", (shard < 0) | (shard >= len(shard_bytes)),

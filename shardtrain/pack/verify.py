@@ -62,6 +62,12 @@ def _mix(values) -> dict:
     return dict(sorted(out.items()))
 
 
+def _plain(v: object) -> object:
+    """A manifest string as printable text: short printable strings as they are, anything else escaped and cut
+    (a hostile manifest must not put terminal control sequences on the screen of whoever inspects it)."""
+    return v if v is None or (isinstance(v, str) and v.isprintable() and len(v) <= 64) else show(v, 64)
+
+
 def inspect(ds: Dataset) -> dict:
     """Everything `shardtrain inspect` shows, as a JSON-able dict."""
     m = ds.manifest
@@ -73,8 +79,8 @@ def inspect(ds: Dataset) -> dict:
     return {
         "url": ds.url,
         "format_version": m["format_version"],
-        "tool_version": m.get("tool_version"),
-        "created_utc": m.get("created_utc"),
+        "tool_version": _plain(m.get("tool_version")),
+        "created_utc": _plain(m.get("created_utc")),
         "options": m.get("options", {}),
         "totals": totals,
         "index_rows": t.num_rows,
