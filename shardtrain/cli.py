@@ -45,7 +45,7 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
             out[k] = json.loads(v)
         except ValueError:
             out[k] = v
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     if "key" not in out and all(env.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")):
         out["key"], out["secret"] = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
         if env.get("AWS_SESSION_TOKEN"):

@@ -21,7 +21,7 @@ import logging
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 
@@ -272,7 +272,7 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
     base = posixpath.dirname(path)
-    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with _open_text(fs, path) as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         header = next(reader, None)

@@ -116,7 +116,7 @@ def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: li
     plan = []
     for i in range(n):
         k, j = i % n_speakers, i // n_speakers
-        sid, voice, speed, pitch, chapters = speakers[k]
+        spk, voice, speed, pitch, chapters = speakers[k]
         chapter = chapters[min(1, 2 * j // max(1, per_speaker[k]))]  # first half of a speaker's utts: chapter 0
         u = counters[(k, chapter)] = counters.get((k, chapter), -1) + 1
         urng = np.random.default_rng(_sub_seed(seed, i))
@@ -124,10 +124,10 @@ def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: li
             text = sentences[int(urng.integers(len(sentences)))]
         else:
             text = pseudo_sentence(urng)
-        utt_id = f"{sid}-{chapter}-{u:04d}"
-        rel = f"{sid}/{chapter}/{utt_id}.flac" if layout == "librispeech" else f"{utt_id}.flac"
+        utt_id = f"{spk}-{chapter}-{u:04d}"
+        rel = f"{spk}/{chapter}/{utt_id}.flac" if layout == "librispeech" else f"{utt_id}.flac"
         speed = int(np.clip(speed + urng.integers(-10, 11), 130, 190))
-        plan.append(_Utt(rel_path=rel, text=text, speaker=sid, voice=voice, speed_wpm=speed, pitch=pitch))
+        plan.append(_Utt(rel_path=rel, text=text, speaker=spk, voice=voice, speed_wpm=speed, pitch=pitch))
     return plan
 
 
