@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 from shardtrain.testing.corpus import _sub_seed, pseudo_sentence, write_manifests
-from shardtrain.testing.corpus import normalize_text
+from shardtrain.testing.corpus import librispeech_text
 
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def load_fortune_sentences(max_words: int = 18) -> list[str]:
             body = fortune.split("--")[0]
             if re.search(r"[^A-Za-z ,.;:!?'\"\n-]", body) or re.search(r"\n\s", body):
                 continue  # digits, symbols, code, verse indentation: not plain spoken text
-            text = normalize_text(body)
+            text = librispeech_text(body)
             if 3 <= len(text.split()) <= max_words:
                 out.add(text)
     return sorted(out)
@@ -153,6 +153,22 @@ def _speak(exe: str, utt: _Utt, root: Path, sample_rate_hz: int) -> float:
     return len(wave) / sample_rate_hz
 
 
+def _write_transcripts(root: Path, plan: list[_Utt], layout: str) -> None:
+    """LibriSpeech `<spk>-<chapter>.trans.txt` files or one `.txt` per utterance, plus manifest.tsv/.jsonl."""
+    if layout == "librispeech":
+        chapters: dict[Path, list[str]] = {}
+        for u in plan:
+            p = root / u.rel_path
+            chapters.setdefault(p.parent / f"{p.parent.parent.name}-{p.parent.name}.trans.txt", []).append(
+                f"{p.stem} {u.text}")
+        for trans, lines in chapters.items():
+            trans.write_text("\n".join(sorted(lines)) + "\n", encoding="utf-8")
+    else:
+        for u in plan:
+            (root / u.rel_path).with_suffix(".txt").write_text(u.text + "\n", encoding="utf-8")
+    write_manifests(root, [(u.rel_path, u.text, u.speaker) for u in plan])
+
+
 def synth_speech_corpus(
     dir: str | os.PathLike,
     n: int,
@@ -200,18 +216,7 @@ def synth_speech_corpus(
             bar.update(1)
     bar.close()
 
-    if layout == "librispeech":
-        chapters: dict[Path, list[str]] = {}
-        for u in plan:
-            p = root / u.rel_path
-            chapters.setdefault(p.parent / f"{p.parent.parent.name}-{p.parent.name}.trans.txt", []).append(
-                f"{p.stem} {u.text}")
-        for trans, lines in chapters.items():
-            trans.write_text("\n".join(sorted(lines)) + "\n", encoding="utf-8")
-    else:
-        for u in plan:
-            (root / u.rel_path).with_suffix(".txt").write_text(u.text + "\n", encoding="utf-8")
-    write_manifests(root, [(u.rel_path, u.text, u.speaker) for u in plan])
+    _write_transcripts(root, plan, layout)
     elapsed = time.perf_counter() - t0
     log.info("synth_speech_corpus: %d utterances, %.2f h of audio, %d speakers in %.1f s (%.0f utt/s) -> %s",
              n, total_s / 3600, len({u.speaker for u in plan}), elapsed, n / elapsed, root)
