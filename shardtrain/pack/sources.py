@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import fsspec
 
+from shardtrain import storage
+
 log = logging.getLogger(__name__)
 
 SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse")
@@ -77,7 +79,7 @@ class Reject:
 
 # ---- filesystem helpers ---------------------------------------------------------------------------------------
 def _fs(url: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs, path = storage.fs_and_path(url, storage_options)  # one way to open a URL, with the S3 tuning
     return fs, path.rstrip("/") or path
 
 
