@@ -59,7 +59,7 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
             out[k] = json.loads(v)
         except ValueError:
             out[k] = v
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     if "key" not in out and all(env.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")):
         out["key"], out["secret"] = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
         if env.get("AWS_SESSION_TOKEN"):
@@ -400,28 +400,20 @@ def _add_augment_demo(sub) -> None:
 
 
 def _cmd_augment_demo(args) -> int:
-    import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import soundfile
     import torch
 
-    from shardtrain.train.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig, SpeedConfig
-    from shardtrain.train.features import FeatureConfig, log_mel
+    from shardtrain.train.augment import AugmentConfig, GainConfig, NoiseBank, NoiseConfig, ReverbConfig, SpeedConfig
+    from shardtrain.train.features import FeatureConfig
+    from shardtrain.train.showcase import write_examples
 
     if args.n < 1:
         raise SystemExit("--n must be >= 1")
     so = _parse_storage_options(args.storage_option) or None
-    feats_cfg = FeatureConfig()
-    rate = feats_cfg.sample_rate_hz
+    rate = FeatureConfig().sample_rate_hz
     if args.data:
         bank = NoiseBank.from_dataset(args.data, max_seconds=1e9, sample_rate_hz=rate, storage_options=so,
                                       max_clips=args.n)
-        names = bank.names
-        waves, lengths = bank.waves, bank.lengths
+        names, waves, lengths = bank.names, bank.waves, bank.lengths
     else:
         from shardtrain.testing.corpus import synth_wave
 
@@ -434,34 +426,9 @@ def _cmd_augment_demo(args) -> int:
                         reverb=ReverbConfig(p=args.p, rir_url=args.rir_data),
                         noise=NoiseConfig(p=args.p, snr_db=(5.0, 20.0), noise_url=args.noise_data),
                         gain=GainConfig(p=args.p))
-    chain = DeviceAugment(aug, feats_cfg, rate, storage_options=so)
-    aug_waves, aug_lengths = chain.augment_waves(waves, lengths, torch.Generator().manual_seed(args.seed))
-    final, final_lengths = chain(waves, lengths, torch.Generator().manual_seed(args.seed))  # same draws + masks
-    raw_cfg = FeatureConfig(normalize="none")
-    orig_feats, orig_flen = log_mel(chain.mel, waves, lengths, raw_cfg)
-    aug_feats, aug_flen = log_mel(chain.mel, aug_waves, aug_lengths, raw_cfg)
-    os.makedirs(args.out, exist_ok=True)
-    for i, name in enumerate(names):
-        stem = os.path.join(args.out, f"{i:02d}_{name}")
-        n0, n1 = int(lengths[i]), int(aug_lengths[i])
-        out = aug_waves[i, :n1]
-        peak = float(out.abs().max()) if n1 else 0.0
-        soundfile.write(stem + "_orig.wav", waves[i, :n0].numpy(), rate)
-        soundfile.write(stem + "_aug.wav", (out / peak * 0.99 if peak > 0.99 else out).numpy(), rate)
-        fig, axes = plt.subplots(3, 1, figsize=(10, 8), constrained_layout=True)
-        panels = [(orig_feats[i, : int(orig_flen[i])], f"original log-mel ({n0 / rate:.2f} s)"),
-                  (aug_feats[i, : int(aug_flen[i])], f"augmented log-mel ({n1 / rate:.2f} s, speed {n0 / max(n1, 1):.2f})"),
-                  (final[i, : int(final_lengths[i])], "model input: normalised + SpecAugment")]
-        for ax, (x, title) in zip(axes, panels):
-            im = ax.imshow(x.T.numpy(), origin="lower", aspect="auto", interpolation="nearest")
-            ax.set_title(title)
-            ax.set_ylabel("mel bin")
-            fig.colorbar(im, ax=ax)
-        axes[-1].set_xlabel("frame (10 ms)")
-        fig.savefig(stem + ".png", dpi=80)
-        plt.close(fig)
-        print(f"{stem}_orig.wav  {stem}_aug.wav  {stem}.png  ({n0} -> {n1} samples"
-              f"{', peak-normalised' if peak > 0.99 else ''})")
+    for w in write_examples(waves, lengths, names, aug, args.out, args.seed, so):
+        print(f"{w['orig']}  {w['aug']}  {w['png']}  ({w['samples_in']} -> {w['samples_out']} samples"
+              f"{', peak-normalised' if w['peak_normalised'] else ''})")
     return 0
 
 

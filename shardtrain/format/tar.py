@@ -76,7 +76,8 @@ class ShardWriter:
 
     def __init__(self, fileobj: BinaryIO) -> None:
         self._out = _HashingWriter(fileobj)
-        self._tar = tarfile.TarFile(fileobj=self._out, mode="w", format=tarfile.USTAR_FORMAT, encoding="utf-8")
+        self._tar = tarfile.TarFile(fileobj=self._out,  # type: ignore[arg-type]  # write/tell is all it uses
+                                     mode="w", format=tarfile.USTAR_FORMAT, encoding="utf-8")
         self._keys: set[str] = set()
         self.closed = False
 

@@ -25,7 +25,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Generator, Iterator
 
 import numpy as np
 import torch
@@ -229,7 +229,7 @@ class Loader:
                 seen.update(dict.fromkeys(np.unique(self.idx.shard[b]).tolist()))
         return list(seen)[:limit]
 
-    def __iter__(self) -> Iterator[tuple[Batch, dict]]:
+    def __iter__(self) -> Generator[tuple[Batch, dict], None, None]:
         pin = torch.cuda.is_available()
         # without worker processes the DataLoader only adds per-item overhead (~4% of a 2-core epoch, measured)
         items = self.dataloader() if self.cfg.num_workers else self._chunk_stream()

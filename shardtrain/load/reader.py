@@ -16,7 +16,7 @@ import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -90,8 +90,8 @@ class ChunkReader:
         """Bytes [start, end) of a shard in pieces; ends early when the shard is truncated; OSError after retries."""
         url = self.ds.shard_url(shard)
         so = self.ds.storage_options
-        kw = dict(retries=self.cfg.retries, piece_bytes=int(self.cfg.piece_mb * (1 << 20)),
-                  backoff_s=self.cfg.retry_backoff_s, direct_http=self.cfg.s3_direct_http)
+        kw: dict[str, Any] = dict(retries=self.cfg.retries, piece_bytes=int(self.cfg.piece_mb * (1 << 20)),
+                                  backoff_s=self.cfg.retry_backoff_s, direct_http=self.cfg.s3_direct_http)
         if self.cache is not None:
             info = self.ds.shards[shard]
             url = self.cache.path(info.name, info.sha256, info.bytes,
@@ -233,7 +233,7 @@ class ChunkReader:
         for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
             results[int(r)] = self._decode(view, start, have, int(r), slot[int(r)][:0])
 
-    def _assemble(self, wanted: list[np.ndarray], padded: list[np.ndarray], results: dict, timings: dict,
+    def _assemble(self, wanted: Sequence[np.ndarray], padded: list[np.ndarray], results: dict, timings: dict,
                   as_float: bool) -> tuple[list[tuple], list[dict]]:
         """Decoded rows -> batch tuples (pcm, lengths, keys, texts, durations); failed rows are dropped and listed."""
         idx, out, errors = self.idx, [], []

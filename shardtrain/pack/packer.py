@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import sys
 import time
+from typing import Any
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -410,7 +411,7 @@ def _pack_locked(cfg: PackConfig) -> PackResult:
     storage.atomic_write_bytes(storage.join(out, REJECTS),
                                b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in all_rejects), so)
     shards = [index.ShardInfo.from_dict(m["info"]) for m in markers]
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": index.FORMAT,
         "format_version": index.FORMAT_VERSION,
         "tool_version": __version__,

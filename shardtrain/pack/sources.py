@@ -21,9 +21,11 @@ import logging
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
+
+from shardtrain import storage
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class Reject:
 
 # ---- filesystem helpers ---------------------------------------------------------------------------------------
 def _fs(url: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs, path = storage.fs_and_path(url, storage_options)  # one way to open a URL, with the S3 tuning
     return fs, path.rstrip("/") or path
 
 
@@ -274,7 +276,7 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
     base = posixpath.dirname(path)
-    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with _open_text(fs, path) as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         header = next(reader, None)
