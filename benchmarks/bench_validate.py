@@ -4,8 +4,12 @@
       -> read the loader's columns without checks (the peer), with checks (Dataset.read_index),
          and with the key/text columns the reader now checks samples against
 
-Prints one JSON object and a table: seconds per step, and MB of Arrow memory for the key/text columns.
-Run: PYTHONPATH=. python benchmarks/bench_validate.py --rows 1000000
+    packed tone corpus (--utterances of 8-12 s FLAC) -> per row: the reader's checks (_check_row: two ustar headers,
+      names, sizes, json text vs index) against one FLAC decode of the same row (the peer)
+
+Prints one JSON object and a table: seconds per step, MB of Arrow memory for the key/text columns, and
+microseconds per row for the checks and for a decode.
+Run: PYTHONPATH=. python benchmarks/bench_validate.py --rows 1000000 --utterances 60
 """
 from __future__ import annotations
 
@@ -48,6 +52,42 @@ def _dataset(root: str, n: int) -> Dataset:
     return Dataset(url=root, manifest={"index": "index.parquet"}, shards=shards)
 
 
+def row_check_cost(n: int, repeats: int) -> dict:
+    """Microseconds per row: the reader's per-row checks vs decoding the row's FLAC (same bytes, same process)."""
+    from shardtrain.format.audio import decode_into
+    from shardtrain.format.manifest import open_dataset
+    from shardtrain.load.config import StreamConfig
+    from shardtrain.load.plan import PlanIndex
+    from shardtrain.load.reader import CHECK_COLUMNS, ChunkReader
+    from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.testing.corpus import make_corpus
+
+    with tempfile.TemporaryDirectory() as root:
+        corpus = make_corpus(os.path.join(root, "c"), [8.0 + (i % 5) for i in range(n)], seed=0)
+        pack(PackConfig(input=str(corpus), output=os.path.join(root, "ds"), workers=1, progress=False))
+        ds = open_dataset(os.path.join(root, "ds"))
+        idx = PlanIndex.from_table(ds.read_index(list(PLAN_COLUMNS) + ["sample_rate_hz", *CHECK_COLUMNS]))
+        reader = ChunkReader(ds, idx, StreamConfig())
+        with open(os.path.join(root, "ds", ds.shards[0].name), "rb") as f:
+            buf = memoryview(f.read())
+        rows = [i for i in range(len(idx)) if idx.shard[i] == 0]
+
+        def checks():
+            for i in rows:
+                reader._check_row(buf, 0, len(buf), i)
+
+        def decodes():
+            for i in rows:
+                a = int(idx.audio_offset[i])
+                decode_into(buf[a:a + int(idx.audio_size[i])], np.zeros(int(idx.num_samples[i]), np.float32))
+        check_us = _best(checks, repeats) / len(rows) * 1e6
+        decode_us = _best(decodes, repeats) / len(rows) * 1e6
+        reader.decode_pool.shutdown()
+        reader.io_pool.shutdown()
+    return {"row_check_us": round(check_us, 1), "row_decode_us": round(decode_us, 1),
+            "row_check_vs_decode_x": round(check_us / decode_us, 4)}
+
+
 def _best(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -61,6 +101,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--utterances", type=int, default=60, help="packed utterances for the per-row check cost")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
         ds = _dataset(root, args.rows)
@@ -81,6 +122,7 @@ def main() -> int:
         out["checked_vs_unchecked_x"] = round((out["check_plan_columns_s"] + out["check_key_text_s"]) /
                                               (out["read_plan_columns_unchecked_s"] + out["read_key_text_unchecked_s"]),
                                               2)
+    out.update(row_check_cost(args.utterances, args.repeats))
     print(json.dumps(out))
     for k, v in out.items():
         print(f"{k:<34} {v:.3f}" if isinstance(v, float) else f"{k:<34} {v}")

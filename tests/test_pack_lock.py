@@ -64,7 +64,8 @@ _RACER = textwrap.dedent("""
     import os, sys, time
     from shardtrain.pack.packer import PackConfig, pack
     from shardtrain.pack.shard_task import PackError
-    corpus, out, go = sys.argv[1:4]
+    corpus, out, go, ready = sys.argv[1:5]
+    open(ready, "w").close()
     while not os.path.exists(go):
         time.sleep(0.0005)
     try:
@@ -86,9 +87,11 @@ def test_concurrent_packs_with_different_inputs_race(tmp_path):
     refusals = {"lock": 0, "guard": 0}
     for trial in range(8):
         out, go = tmp_path / f"out{trial}", tmp_path / f"go{trial}"
-        procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(c), str(out), str(go)], env=env,
-                                  stderr=subprocess.PIPE, text=True) for c in (a, b)]
-        time.sleep(0.8)  # both processes imported and spinning on the start file
+        ready = [tmp_path / f"ready{trial}-{i}" for i in range(2)]
+        procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(c), str(out), str(go), str(r)], env=env,
+                                  stderr=subprocess.PIPE, text=True) for c, r in zip((a, b), ready)]
+        while not all(r.exists() for r in ready):  # both imported and spinning on the start file
+            time.sleep(0.005)
         go.touch()
         results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
         codes = sorted(rc for rc, _ in results)
