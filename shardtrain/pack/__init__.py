@@ -9,6 +9,7 @@
     shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process or a Ray task)
     engine.py      where tasks run: LocalEngine (this process + a process pool) or RayEngine (`--engine ray`)
     packer.py      PackConfig and pack(): parts -> engine.scan -> make_plan -> engine.write -> index -> manifest
+    lifeline.py    pool workers die with the pack that started them (PDEATHSIG + a parent-watch thread)
     verify.py      `shardtrain inspect [--verify]`: summaries and integrity checks of a packed dataset
 """
 from shardtrain.pack.packer import PackConfig, PackResult, pack

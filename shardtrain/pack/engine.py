@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -27,6 +28,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
+from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
 from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, write_shard
@@ -101,10 +103,12 @@ class LocalEngine:
                 yield write_shard(t)
             return
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode"])
+        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode",
+                                    "shardtrain.pack.lifeline"])
         finished_n = 0
         try:
-            with ProcessPoolExecutor(max_workers=min(self.workers, count), mp_context=ctx) as ex:
+            with ProcessPoolExecutor(max_workers=min(self.workers, count), mp_context=ctx,
+                                     initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
                 # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
                 pending = {}
                 for t in tasks:

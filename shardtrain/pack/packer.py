@@ -26,7 +26,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -36,6 +36,7 @@ from shardtrain._version import __version__
 from shardtrain.format import manifest as index
 from shardtrain.format.codecs import CODECS
 from shardtrain.pack.shard_task import PackError, marker_name
+from shardtrain.storage.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class PackConfig:
     """Dataset folder or prefix (local path, file://, s3://bucket/prefix)."""
     source_format: str = "auto"
     """Input format (`--source-format`): auto, or one of sources.SOURCE_FORMATS."""
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)
     """fsspec options for INPUT and OUTPUT (`--storage-option k=v`), e.g. endpoint_url for S3."""
     codec: str = "flac"
     """Stored audio codec (`--codec`): flac, wav, opus or mp3."""
@@ -266,17 +267,29 @@ def _engine(cfg: PackConfig):
     return RayEngine(cfg.ray_address) if cfg.engine == "ray" else LocalEngine(cfg.workers)
 
 
+def _fingerprint_in(url: str, so: dict | None) -> str | None:
+    """The `fingerprint` recorded in a manifest or plan.json; "unreadable" when it is not a JSON object with one
+    (a damaged or hostile file counts as a different dataset: refused unless --overwrite)."""
+    from shardtrain.format.validate import DatasetError, parse_manifest
+
+    try:
+        found = parse_manifest(storage.read_bytes(url, so), url).get("fingerprint")
+    except DatasetError:
+        return "unreadable"
+    return found if isinstance(found, str) else "unreadable"
+
+
 def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
     """'complete' | 'resume' | 'fresh'; raises PackError for a different dataset unless cfg.overwrite."""
     so = cfg.storage_options
     names = set(storage.ls_names(out, so))
     found = None
     if index.MANIFEST in names:
-        found = json.loads(storage.read_bytes(storage.join(out, index.MANIFEST), so)).get("fingerprint")
+        found = _fingerprint_in(storage.join(out, index.MANIFEST), so)
         if found == fp:
             return "complete"
     elif WORK in names and "plan.json" in storage.ls_names(storage.join(out, WORK), so):
-        found = json.loads(storage.read_bytes(storage.join(out, WORK + "/plan.json"), so)).get("fingerprint")
+        found = _fingerprint_in(storage.join(out, WORK + "/plan.json"), so)
         if found == fp:
             return "resume"
     ours = {n for n in names if n.startswith("shard-") or n in (index.MANIFEST, index.INDEX, REJECTS)}
@@ -294,7 +307,25 @@ def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
 
 
 def pack(cfg: PackConfig) -> PackResult:
-    """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs."""
+    """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs.
+
+    The whole run holds OUTPUT's lock (storage.lock: `OUTPUT/_pack.lock`, exclusive locally and on S3), so a
+    second pack into the same OUTPUT is refused with the holder's host, pid and start time instead of racing
+    the first past the different-dataset guard and interleaving shards.
+    """
+    from shardtrain.storage.lock import LockHeld, acquire_lock
+
+    out = str(cfg.output).rstrip("/")
+    storage.makedirs(out, cfg.storage_options)
+    try:
+        lock = acquire_lock(out, cfg.storage_options)
+    except LockHeld as e:
+        raise PackError(str(e)) from None
+    with lock:
+        return _pack_locked(cfg)
+
+
+def _pack_locked(cfg: PackConfig) -> PackResult:
     engine, progress = _engine(cfg), _Progress(cfg)
     try:
         return _pack(cfg, engine, progress)
@@ -355,7 +386,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
         "tool_version": __version__,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fp,
-        "options": {"input": str(cfg.input), **cfg.dataset_options(), "decode_check": cfg.decode_check},
+        "options": {"input": redact_url(str(cfg.input)), **cfg.dataset_options(), "decode_check": cfg.decode_check},
         "index": index.INDEX,
         "rejects": REJECTS,
         "totals": {"samples": n_rows, "seconds": sum(s.seconds for s in shards),

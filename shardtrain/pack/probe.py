@@ -29,7 +29,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import soundfile as sf
-from shardtrain.format.audio import AudioError, AudioInfo, SF_ERRORS, codec_of
+from shardtrain import storage
+from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo, codec_of
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,7 @@ def open_audio(path: str, storage_options: dict | None, block_size: int | None =
             raise AudioError("empty_audio", f"{path} is 0 bytes")
         yield local
         return
-    import fsspec  # noqa: PLC0415
-
-    fs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    fs, p = storage.fs_and_path(path, storage_options)
     try:
         f = fs.open(p, "rb", **({"block_size": block_size} if block_size else {}))
     except FileNotFoundError as e:

@@ -21,9 +21,11 @@ import logging
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
+
+from shardtrain import storage
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class Reject:
 
 # ---- filesystem helpers ---------------------------------------------------------------------------------------
 def _fs(url: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs, path = storage.fs_and_path(url, storage_options)  # one way to open a URL, with the S3 tuning
     return fs, path.rstrip("/") or path
 
 
@@ -181,6 +183,8 @@ def _read_transcript(fs: fsspec.AbstractFileSystem, txt: str, item_id: str, audi
         raw = fs.cat_file(txt)
     except FileNotFoundError:
         return Reject(item_id, audio, f"missing_transcript: no {posixpath.basename(txt)}")
+    except OSError as e:  # permissions, I/O errors: this utterance is rejected, the pack goes on
+        return Reject(item_id, audio, f"unreadable_transcript: {posixpath.basename(txt)}: {type(e).__name__}: {e}")
     try:
         return raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError as e:
@@ -285,7 +289,7 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
     base = posixpath.dirname(path)
-    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with _open_text(fs, path) as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         header = next(reader, None)
@@ -357,6 +361,11 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: lis
             lines = fs.cat_file(trans).decode("utf-8").splitlines()
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), _ref(fs, trans), f"bad_transcript_encoding: {e}")
+            continue
+        except OSError as e:  # unreadable: every utterance of the chapter is rejected with the reason
+            for utt in sorted(audio):
+                yield Reject(utt, _ref(fs, audio[utt]), f"unreadable_transcript: {posixpath.basename(trans)}: "
+                                                        f"{type(e).__name__}: {e}")
             continue
         seen: set[str] = set()
         for line in lines:
