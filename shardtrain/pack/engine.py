@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
 from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, write_shard
 from shardtrain.pack.sources import SourcePart
+
+if TYPE_CHECKING:
+    from shardtrain.pack.transcode import AudioTarget
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,7 @@ class WriteJob:
 
     output: str
     storage_options: dict | None
-    target: object
-    """transcode.AudioTarget"""
+    target: AudioTarget
     fingerprint: str
     strict: bool
 

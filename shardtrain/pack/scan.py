@@ -144,15 +144,17 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
     """Read, probe and filter one part. Returns its PartScan and one record per candidate,
     `(Item, AudioInfo, duration_s, est_bytes)` (AudioInfo None for a late reject). Never raises for bad items.
     Cost: one header read (plus a stat for kept files) per item, `cfg.probe_threads` at a time."""
-    from shardtrain.pack.sources import part_items
+    from shardtrain.pack.sources import Item, part_items
 
-    early, cands, positions = [], [], []
+    early: list[tuple[int, dict]] = []
+    cands: list[Item] = []
+    positions: list[int] = []
     n = 0
     for n, x in enumerate(part_items(part, cfg.storage_options), 1):
         row = _early_reject(x)
         if row is not None:
             early.append((n - 1, row))
-        else:
+        elif isinstance(x, Item):
             cands.append(x)
             positions.append(n - 1)
     with ThreadPoolExecutor(min(cfg.probe_threads, max(1, len(cands)))) as ex:
