@@ -179,7 +179,7 @@ class _Progress:
 
     def __init__(self, cfg: PackConfig) -> None:
         self.bar = tqdm(disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True, desc="pack",
-                        unit="step", total=0)
+                        unit="utt", total=0)
         self.shards = self.shards_total = self.bytes = 0
 
     def scanned(self, scan) -> None:
