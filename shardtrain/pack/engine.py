@@ -82,12 +82,48 @@ class LocalEngine:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._records: dict[int, list] = {}
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode",
+                                        "shardtrain.pack.lifeline"])
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=die_with_parent,
+                                             initargs=(os.getpid(),))
+        return self._pool
+
+    def _bounded(self, fn: Callable, args: Iterable, what: str) -> Iterator[Any]:
+        """fn(arg) for each arg in the pool, at most 2 per worker in flight (a huge plan is not pickled up front);
+        results in completion order. A dead worker process raises PackError."""
+        done_n = 0
+        try:
+            ex, it = self._executor(), iter(args)
+            pending = set()
+            for a in it:
+                pending.add(ex.submit(fn, a))
+                if len(pending) >= 2 * self.workers:
+                    break
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    done_n += 1
+                    yield f.result()  # re-raises worker errors (PackError, ...)
+                    nxt = next(it, None)
+                    if nxt is not None:  # submitting to a pool broken meanwhile raises here, not in result()
+                        pending.add(ex.submit(fn, nxt))
+        except BrokenProcessPool as e:
+            raise PackError(
+                f"a worker process died (killed, or out of memory) while {what}; {done_n} tasks finished in this "
+                "run (finished shards are kept): re-run the same command to write only the rest") from e
 
     def scan(self, cfg, parts: Iterable[SourcePart], on_part: Callable[[PartScan], None]) -> list[PartScan]:
+        """In this process: header probes are I/O (threads, GIL released); running parts in the pool measured
+        slower here (2,000 files: 3.1 s vs 2.6 s; pickling records back and the pool start-up on the critical
+        path)."""
         scans = []
-        for part in parts:
-            scan, records = scan_part(cfg, part)
-            self._records[part.index] = records
+        for scan, records in (scan_part(cfg, p) for p in parts):
+            self._records[scan.index] = records
             scans.append(scan)
             on_part(scan)
         return scans
@@ -104,35 +140,13 @@ class LocalEngine:
             for t in tasks:
                 yield write_shard(t)
             return
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode",
-                                    "shardtrain.pack.lifeline"])
-        finished_n = 0
-        try:
-            with ProcessPoolExecutor(max_workers=min(self.workers, count), mp_context=ctx,
-                                     initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
-                # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
-                pending = {}
-                for t in tasks:
-                    pending[ex.submit(write_shard, t)] = t
-                    if len(pending) >= 2 * self.workers:
-                        break
-                while pending:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in finished:
-                        pending.pop(f)
-                        finished_n += 1
-                        yield f.result()  # re-raises worker errors (PackError, ...)
-                        nxt = next(tasks, None)
-                        if nxt is not None:  # submitting to a pool broken meanwhile raises here, not in result()
-                            pending[ex.submit(write_shard, nxt)] = nxt
-        except BrokenProcessPool as e:
-            raise PackError(
-                f"a worker process died (killed, or out of memory) while writing shards; {finished_n} "
-                "finished in this run are kept: re-run the same command to write only the rest") from e
+        yield from self._bounded(write_shard, tasks, "writing shards")
 
     def close(self) -> None:
         self._records.clear()
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
 
 # ---- ray ------------------------------------------------------------------------------------------------------
