@@ -1,6 +1,7 @@
 """Adapters to other tools (shardtrain.interop) on a real packed dataset: torch/torchdata DataLoaders and Batch moves."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,3 +87,62 @@ def test_batch_pins_and_copies_to_cuda(dataset):
     assert c.waves.is_cuda and torch.equal(c.waves.cpu(), b.waves) and c.keys == b.keys
     dl = torch.utils.data.DataLoader(BatchStream(loader(dataset)), batch_size=None, pin_memory=True)
     assert next(iter(dl)).waves.is_pinned()
+
+
+# ---- lhotse ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lhotse_dataset(tmp_path_factory):
+    """A corpus packed from a TSV with speaker and language columns; returns (dataset url, {id: source row})."""
+    root = tmp_path_factory.mktemp("lhotse")
+    corpus = make_corpus(root / "corpus", DURS[:24], seed=4)
+    rows = {}
+    lines = ["path\ttext\tspeaker\tlanguage"]
+    for i, p in enumerate(sorted(corpus.glob("*.flac"))):
+        text = (corpus / (p.stem + ".txt")).read_text().strip()
+        rows[p.stem] = {"path": str(p), "text": text, "speaker": f"spk{i % 3}", "language": ["en", "de"][i % 2]}
+        lines.append(f"{p.name}\t{text}\tspk{i % 3}\t{['en', 'de'][i % 2]}")
+    (corpus / "extra.tsv").write_text("\n".join(lines) + "\n")
+    out = root / "ds"
+    pack(PackConfig(input=str(corpus / "extra.tsv"), output=str(out), max_samples_per_shard=5, workers=1,
+                    progress=False))
+    return str(out), rows
+
+
+def test_lhotse_dynamic_bucketing_over_a_lazy_cutset_reads_the_packed_audio(lhotse_dataset):
+    import soundfile as sf
+    from lhotse.dataset import DynamicBucketingSampler, K2SpeechRecognitionDataset
+    from lhotse.dataset.input_strategies import AudioSamples
+
+    from shardtrain.interop.lhotse import open_cutset
+    url, rows = lhotse_dataset
+    cuts = open_cutset(url)
+    assert cuts.is_lazy
+    sampler = DynamicBucketingSampler(cuts, max_duration=6.0, num_buckets=2, shuffle=True, seed=0)
+    seen = []
+    for batch in sampler:
+        assert sum(c.duration for c in batch) <= 6.0 + 1e-6
+        for cut in batch:
+            src = rows[cut.id]
+            want, rate = sf.read(src["path"], dtype="float32")
+            got = cut.load_audio()
+            assert rate == cut.sampling_rate == 16000 and got.shape == (1, len(want))
+            np.testing.assert_allclose(got[0], want, atol=1e-6)
+            sup = cut.supervisions[0]
+            assert (sup.text, sup.speaker, sup.language) == (src["text"], src["speaker"], src["language"])
+            assert abs(cut.duration - len(want) / rate) < 1e-9
+            seen.append(cut.id)
+    assert sorted(seen) == sorted(rows)
+    inputs = K2SpeechRecognitionDataset(input_strategy=AudioSamples(), return_cuts=True)[next(iter(sampler))]
+    assert inputs["inputs"].ndim == 2 and len(inputs["supervisions"]["text"]) == inputs["inputs"].shape[0]
+
+
+def test_lhotse_reads_through_its_own_tar_backend_without_ours(lhotse_dataset):
+    from lhotse.serialization import get_default_io_backend, io_backend
+
+    from shardtrain.interop.lhotse import open_cutset
+    url, rows = lhotse_dataset
+    cut = next(iter(open_cutset(url, install_backend=False)))
+    with io_backend(get_default_io_backend()):
+        audio = cut.load_audio()
+    with_ours = next(iter(open_cutset(url))).load_audio()
+    assert audio.shape[1] == cut.num_samples and np.array_equal(audio, with_ours)
