@@ -146,3 +146,27 @@ def test_lhotse_reads_through_its_own_tar_backend_without_ours(lhotse_dataset):
         audio = cut.load_audio()
     with_ours = next(iter(open_cutset(url))).load_audio()
     assert audio.shape[1] == cut.num_samples and np.array_equal(audio, with_ours)
+
+
+# ---- Hugging Face datasets ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_load_dataset_webdataset_yields_audio_and_text(lhotse_dataset, tmp_path, monkeypatch, streaming):
+    import datasets
+    import soundfile as sf
+
+    from shardtrain.interop import hf
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    url, rows = lhotse_dataset
+    ds = datasets.load_dataset("webdataset", data_files={"train": hf.data_files(url)}, features=hf.features(url),
+                               split="train", cache_dir=str(tmp_path / "hf"), streaming=streaming)
+    got = list(ds)
+    assert sorted(r["__key__"] for r in got) == sorted(rows)
+    for r in got:
+        src = rows[r["__key__"]]
+        samples, rate = hf.decode_audio(r)
+        want, want_rate = sf.read(src["path"], dtype="float32")
+        assert rate == want_rate and np.array_equal(samples, want)
+        j = r["json"]
+        assert (j["text"], j["speaker"], j["language"]) == (src["text"], src["speaker"], src["language"])
+        assert j["num_samples"] == len(want)
