@@ -59,6 +59,8 @@ class PackConfig:
     """Dataset folder or prefix (local path, file://, s3://bucket/prefix)."""
     source_format: str = "auto"
     """Input format (`--source-format`): auto, or one of sources.SOURCE_FORMATS."""
+    text_column: str | None = None
+    """Transcript column of a Hugging Face dataset input (`--text-column`); None tries text, sentence, ..."""
     storage_options: dict | None = field(default=None, repr=False)
     """fsspec options for INPUT and OUTPUT (`--storage-option k=v`), e.g. endpoint_url for S3."""
     codec: str = "flac"
@@ -123,6 +125,7 @@ class PackConfig:
             "min_duration_s": self.min_duration_s,
             "max_duration_s": self.max_duration_s,
             "source_format": self.source_format,
+            **({"text_column": self.text_column} if self.text_column else {}),
         }
 
 
@@ -193,7 +196,7 @@ def _collect(cfg: PackConfig, rejects: _Rejects) -> list:
     from shardtrain.pack.sources import Item, iter_items
 
     items, seen = [], set()
-    for x in iter_items(str(cfg.input), cfg.source_format, cfg.storage_options):
+    for x in iter_items(str(cfg.input), cfg.source_format, cfg.storage_options, text_column=cfg.text_column):
         if not isinstance(x, Item):
             code, _, detail = str(x.reason).partition(": ")
             rejects.add(id=str(x.id), path=str(x.path), reason=code, detail=detail)
