@@ -37,6 +37,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 
 from shardtrain.interop.torchdata import BatchStream
 from shardtrain.load.batch import Batch
@@ -161,7 +162,7 @@ class CTCLightningModule(pl.LightningModule):
         loss_sum, _, _ = self.model(feats, feat_lengths, targets, target_lengths)
         self.log("val_loss", loss_sum / max(int(targets.numel()), 1), batch_size=len(batch), sync_dist=True)
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         tc = self.cfg.train
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
