@@ -2,6 +2,7 @@
 real tool's conventions (kaldiio writes the ark, `datasets` saves its own dataset), packed for real and read back."""
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def do_pack(src, out, **kw):
 
 # ---- Kaldi ----------------------------------------------------------------------------------------------------
 def test_kaldi_data_dir_with_segments_ark_and_pipes(tmp_path):
-    kaldiio = pytest.importorskip("kaldiio")  # in the [test] extra; the packer itself needs no kaldiio
+    import kaldiio  # in the [test] extra; the packer itself needs no kaldiio
     audio = tmp_path / "audio"
     rec_a = noise(audio / "a.flac", 3.0, seed=1)
     rec_b = noise(audio / "b.wav", 2.0, seed=2)
@@ -84,7 +85,7 @@ def test_kaldi_data_dir_with_segments_ark_and_pipes(tmp_path):
     assert sorted(got) == sorted(want) and res.samples == 5
     for key, x in want.items():
         row, data_bytes = got[key]
-        y, rate = sf.read(__import__("io").BytesIO(data_bytes), dtype="int16")
+        y, rate = sf.read(io.BytesIO(data_bytes), dtype="int16")
         assert rate == 16000 and np.array_equal(y, x), key
     assert got["spk1-recA-0001"][0]["text"] == "GENERAL KENOBI" and got["spk1-recA-0001"][0]["speaker"] == "spk1"
     assert got["spk3-recD-0000"][0]["source"].startswith(str(audio / "d.ark") + "#bytes=")
@@ -153,7 +154,7 @@ def test_common_voice_release(tmp_path):
 @pytest.fixture
 def hf_dataset(tmp_path):
     """A `datasets` dataset with an Audio column (3 rows embedded bytes, 1 path-only) saved by the library itself."""
-    datasets = pytest.importorskip("datasets")
+    import datasets
     clips = tmp_path / "clips"
     files = [clips / f"utt{i}.flac" for i in range(4)]
     for i, f in enumerate(files):

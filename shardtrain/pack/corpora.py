@@ -157,12 +157,12 @@ def iter_kaldi(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reje
     join = lambda n: posixpath.join(root, n)  # noqa: E731
     wavs, texts = _kaldi_table(fs, join("wav.scp"), rejects), _kaldi_table(fs, join("text"), rejects)
     spk, lang = _kaldi_table(fs, join("utt2spk"), rejects), _kaldi_table(fs, join("utt2lang"), rejects)
-    yield from rejects
     has_segments = fs.exists(join("segments"))
     if has_segments:
-        segments = _kaldi_table(fs, join("segments"), [])
+        segments = _kaldi_table(fs, join("segments"), rejects)
     else:
         segments = {rec: f"{rec} 0 -1" for rec in wavs}
+    yield from rejects
     refs: dict[str, str | Reject] = {}
     for utt, seg in segments.items():
         fields = seg.split()
