@@ -63,6 +63,7 @@ def test_stateful_dataloader_checkpoint_carries_the_cursor(dataset):
     it = iter(dl)
     head = [sig(next(it)) for _ in range(4)]
     sd = dl.state_dict()
+    assert sd["dataset_state"]["step"] == 4  # the loader's own cursor, not a count of items to replay
     dl2 = sdl.StatefulDataLoader(BatchStream(loader(dataset)), batch_size=None)
     dl2.load_state_dict(sd)
     assert head + [sig(b) for b in dl2] == full
