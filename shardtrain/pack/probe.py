@@ -65,8 +65,6 @@ def _read_byte_range(path: str, storage_options: dict | None) -> bytes | None:
                 f.seek(start)
                 data = f.read(end - start)
         else:
-            from shardtrain import storage  # noqa: PLC0415
-
             data = storage.read_range(url, start, end, storage_options)
     except FileNotFoundError as e:
         raise AudioError("missing_file", f"{url} does not exist") from e
