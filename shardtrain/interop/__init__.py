@@ -9,6 +9,6 @@ of shardtrain, so none of these tools is needed unless its adapter is used.
     lhotse.py      open a dataset as a lazy lhotse CutSet (audio read by byte range from the shards, no re-pack)
     hf.py          the `datasets.load_dataset("webdataset", ...)` arguments for a dataset's shards
 
-Optional extras: `pip install 'shardtrain[lightning]'` (pytorch-lightning), `'shardtrain[hf]'` (datasets);
-torchdata is optional too (`BatchStream` works with a plain DataLoader).
+Optional extras, one per adapter: `pip install 'shardtrain[lightning]'` (pytorch-lightning), `[lhotse]`, `[hf]`
+(datasets), `[torchdata]` (only for StatefulDataLoader: `BatchStream` works with a plain DataLoader).
 """

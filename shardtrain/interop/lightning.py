@@ -176,7 +176,8 @@ def build_trainer(cfg: RunConfig, out_dir: str | Path, *, callbacks: list | None
                   **trainer_kwargs: Any) -> pl.Trainer:
     """A Trainer with top-3 checkpoints by val_loss, a rolling `last.ckpt` every `train.ckpt_every_steps`,
     TensorBoard logs and an LR monitor, stepping `train.max_steps` and validating every `train.val_every_steps`.
-    `callbacks` are added to these; `trainer_kwargs` (accelerator, devices, strategy, ...) override the defaults."""
+    `callbacks` are added to these; `trainer_kwargs` (accelerator, devices, strategy, ...) override the defaults.
+    The top-3 callback monitors val_loss, so give the ShardDataModule a validation set."""
     tc, out = cfg.train, Path(out_dir)
     val_every = tc.val_every_steps or tc.max_steps
     callbacks = [

@@ -134,7 +134,9 @@ def _ark_ref(fs: fsspec.AbstractFileSystem, value: str) -> str | Reject | None:
     if head[:4] != b"RIFF" or len(head) < 8:
         kind = "features (a matrix)" if head[:2] == b"\0B" else f"{head[:4]!r}"
         return Reject("", ark, f"unsupported_ark: {value} holds {kind}, not a RIFF/WAV recording")
-    return byte_range_ref(_ref(fs, ark), offset, offset + 8 + int.from_bytes(head[4:8], "little"))
+    ref = _ref(fs, ark)
+    ref = ref if "://" in ref else os.path.abspath(ref)  # relative to the working directory, like plain paths
+    return byte_range_ref(ref, offset, offset + 8 + int.from_bytes(head[4:8], "little"))
 
 
 def _wav_ref(fs: fsspec.AbstractFileSystem, value: str) -> str | Reject:
