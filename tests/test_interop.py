@@ -133,8 +133,16 @@ def test_lhotse_dynamic_bucketing_over_a_lazy_cutset_reads_the_packed_audio(lhot
             assert abs(cut.duration - len(want) / rate) < 1e-9
             seen.append(cut.id)
     assert sorted(seen) == sorted(rows)
-    inputs = K2SpeechRecognitionDataset(input_strategy=AudioSamples(), return_cuts=True)[next(iter(sampler))]
-    assert inputs["inputs"].ndim == 2 and len(inputs["supervisions"]["text"]) == inputs["inputs"].shape[0]
+    dataset = K2SpeechRecognitionDataset(input_strategy=AudioSamples(), return_cuts=True)
+    dl = torch.utils.data.DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=1)  # a forked worker
+    texts = []
+    for b in dl:
+        assert b["inputs"].ndim == 2 and b["inputs"].shape[0] == len(b["supervisions"]["text"])
+        for cut, wave in zip(b["supervisions"]["cut"], b["inputs"]):
+            want, _ = sf.read(rows[cut.id]["path"], dtype="float32")
+            np.testing.assert_allclose(wave[:len(want)].numpy(), want, atol=1e-6)
+        texts += b["supervisions"]["text"]
+    assert sorted(texts) == sorted(r["text"] for r in rows.values())
 
 
 def test_lhotse_reads_through_its_own_tar_backend_without_ours(lhotse_dataset):

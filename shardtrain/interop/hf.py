@@ -8,7 +8,8 @@
 Why declared features: without them the builder types `.flac`/`.wav` members as `datasets.Audio`, whose encoder
 needs torchcodec even to store the bytes (datasets >= 4), and torchcodec's current wheels are CUDA builds that
 fail on a CPU-only torch (stack.md). Declared as binary, the audio stays the shard's bytes; with torchcodec
-installed, `ds.cast_column("flac", datasets.Audio())` gives the usual decoded column. The json struct is taken
+installed, `ds.cast_column("flac", datasets.Audio())` should give the usual decoded column (not tested here: no
+torchcodec on these machines). The json struct is taken
 from the first shard's samples plus the index's metadata fields; keys missing from a sample read as None, and keys
 only later samples have are dropped by `datasets` (they stay in the shards).
 

@@ -89,7 +89,7 @@ def test_lightning_ddp_resumes_mid_epoch_with_the_same_batches_and_losses(datase
         assert [x["step"] for x in full[r]] == [1, 2, 3, 4, 5, 6]
         assert [x["batch"] for x in full[r]] == [0, 1, 2, 3, 4, 5] and {x["epoch"] for x in full[r]} == {0}
         assert [(x["step"], x["keys"]) for x in resumed[r]] == [(x["step"], x["keys"]) for x in full[r][3:]]
-        assert [x["loss"] for x in resumed[r]] == pytest.approx([x["loss"] for x in full[r][3:]], rel=1e-5, abs=1e-6)
+        assert [x["loss"] for x in resumed[r]] == [x["loss"] for x in full[r][3:]]  # bit-exact on CPU
     assert set(full[0][0]["keys"]).isdisjoint(full[1][0]["keys"])  # ranks read different batches
     names = {p.name for p in (tmp_path / "a" / "checkpoints").iterdir()}
     assert any(n.startswith("best-") for n in names) and "last.ckpt" in names
