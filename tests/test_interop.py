@@ -50,6 +50,7 @@ def test_loader_load_state_dict_resumes_at_the_next_batch(dataset):
     it = first.batches()
     head = [sig(next(it)) for _ in range(5)]
     state = first.state_dict()
+    it.close()  # stops the first loader's read-ahead
     again = loader(dataset)
     again.load_state_dict(state)
     assert head + [sig(b) for b in again.batches()] == full
@@ -74,8 +75,6 @@ def test_batch_moves_like_a_tensor_container(dataset):
     m = b.to("meta")
     assert isinstance(m, Batch) and m.keys == b.keys and m.texts == b.texts
     assert {t.device.type for t in (m.waves, m.lengths, m.durations_s)} == {"meta"} and b.waves.device.type == "cpu"
-    from lightning_fabric.utilities.apply_func import move_data_to_device
-    assert move_data_to_device(b, torch.device("meta")).waves.device.type == "meta"
 
 
 @pytest.mark.gpu
