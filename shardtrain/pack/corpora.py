@@ -65,7 +65,7 @@ def detect(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     has = lambda n: posixpath.join(path, n) in names  # noqa: E731
     if has("wav.scp") and has("text"):
         return "kaldi"
-    if has("clips") and any(n.endswith(".tsv") for n in names):
+    if has("clips") and has("validated.tsv"):
         return "commonvoice"
     if has("dataset_info.json") or any(n.endswith((".arrow", ".parquet")) for n in names):
         return "hf"
