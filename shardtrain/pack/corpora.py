@@ -335,6 +335,11 @@ def iter_hf(fs: fsspec.AbstractFileSystem, path: str, text_column: str | None = 
                 n += rb.num_rows
 
 
+def _column_or_none(rb: Any, aliases: tuple[str, ...]) -> list:
+    name = _pick_column(rb.schema.names, None, aliases)
+    return rb.column(name).to_pylist() if name else [None] * rb.num_rows
+
+
 def _hf_rows(rb: Any, audio_col: str, text_col: str, base: int, local: str, data_file: str,
              first_row: int) -> Iterator[Item | Reject]:
     """Rows of one record batch: audio bytes -> `<arrow file>#bytes=...`, else the stored path."""
@@ -347,10 +352,7 @@ def _hf_rows(rb: Any, audio_col: str, text_col: str, base: int, local: str, data
     width = np.int64 if str(data.type) == "large_binary" else np.int32
     offs = np.frombuffer(bufs[1], dtype=width) if bufs[1] is not None else None
     start = (bufs[2].address - base) if bufs[2] is not None else 0
-    cols = rb.schema.names
-    pick = lambda aliases: rb.column(_pick_column(cols, None, aliases)).to_pylist() if _pick_column(  # noqa: E731
-        cols, None, aliases) else [None] * rb.num_rows
-    ids, spk, lang = pick(_HF_ID), pick(_HF_SPEAKER), pick(_HF_LANGUAGE)
+    ids, spk, lang = (_column_or_none(rb, aliases) for aliases in (_HF_ID, _HF_SPEAKER, _HF_LANGUAGE))
     texts = rb.column(text_col).to_pylist()
     valid = data.is_valid().to_pylist()
     for i in range(rb.num_rows):
