@@ -85,11 +85,16 @@ def _add_pack(sub) -> None:
 
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
-                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder or Lhotse CutSet "
-                        "(.jsonl/.jsonl.gz); any fsspec URL")
+                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder, Lhotse CutSet "
+                        "(.jsonl/.jsonl.gz), Kaldi data dir, Hugging Face dataset (.arrow/.parquet) or Common Voice "
+                        "release; any fsspec URL")
     p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
     p.add_argument("--source-format", default="auto",
-                   help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse (default: auto)")
+                   help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
+                        "commonvoice (default: auto)")
+    p.add_argument("--text-column", default=None,
+                   help="transcript column of a Hugging Face dataset input (default: text, sentence, transcription, "
+                        "... whichever exists)")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
                         "client_kwargs='{\"endpoint_url\": \"http://127.0.0.1:8333\"}' or profile=NAME). " + _CREDS_HELP)
@@ -130,7 +135,7 @@ def _cmd_pack(args) -> int:
 
     try:
         cfg = PackConfig(
-            input=args.input, output=args.output, source_format=args.source_format,
+            input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
             storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
             sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
             decode_check=not args.no_decode_check,

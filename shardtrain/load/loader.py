@@ -197,6 +197,18 @@ class Loader:
                 "chain": [list(x) for x in c.chain], "counters": dict(self.counters),
                 "skipped_keys": list(self.skipped_keys)}
 
+    def load_state_dict(self, state: dict) -> None:
+        """torchdata/`Stateful` convention: the next iteration starts at the batch after `state`'s (same checks as
+        `build_loader(..., state=state)`). Call it between iterations, not while one is running."""
+        self.counters = {k: type(v)(0) for k, v in self.counters.items()}
+        self.skipped_keys, self.cursor = [], _Cursor(0, 0)
+        self._load_state(state)
+
+    def batches(self) -> Iterator[Batch]:
+        """Plain iterator of batches; `state_dict()` after each one is the state that resumes at the next."""
+        for batch, _ in self:
+            yield batch
+
     def stats(self) -> dict:
         return {**self.counters, "skipped_keys": list(self.skipped_keys)}
 

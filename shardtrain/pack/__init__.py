@@ -1,7 +1,9 @@
 """pack: raw corpora -> shards + index.parquet + manifest.json. Imports `format` and `storage`, never `load`.
 
     sources.py     input formats (folder, TSV/CSV/JSONL, LibriSpeech, Lhotse cuts) -> Item | Reject
-    probe.py       audio headers -> AudioInfo (duration, rate, channels, codec; exact MP3 lengths)
+    corpora.py     Kaldi data dirs, Hugging Face datasets, Common Voice releases -> Item | Reject (via sources)
+    probe.py       audio headers -> AudioInfo (duration, rate, channels, codec; exact MP3 lengths); reads
+                   `file#bytes=START-END` references (audio inside an Arrow file or a Kaldi ark)
     transcode.py   keep original bytes or transcode to the target codec/rate/channels, with a decode check
     keys.py        sample keys that are safe in tar names and in webdataset (sanitised, de-duplicated)
     scan.py        one part of the input = one task: read items, probe headers, per-item filters -> PartScan

@@ -53,6 +53,8 @@ class PackConfig:
     """Dataset folder or prefix (local path, file://, s3://bucket/prefix)."""
     source_format: str = "auto"
     """Input format (`--source-format`): auto, or one of sources.SOURCE_FORMATS."""
+    text_column: str | None = None
+    """Transcript column of a Hugging Face dataset input (`--text-column`); None tries text, sentence, ..."""
     storage_options: dict | None = field(default=None, repr=False)
     """fsspec options for INPUT and OUTPUT (`--storage-option k=v`), e.g. endpoint_url for S3."""
     codec: str = "flac"
@@ -129,6 +131,7 @@ class PackConfig:
             "min_duration_s": self.min_duration_s,
             "max_duration_s": self.max_duration_s,
             "source_format": self.source_format,
+            **({"text_column": self.text_column} if self.text_column else {}),
         }
 
 
@@ -344,7 +347,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     out, so = str(cfg.output).rstrip("/"), cfg.storage_options
     target = AudioTarget(codec=cfg.codec, sample_rate_hz=cfg.sample_rate_hz, channels=cfg.channels,
                          keep_original=cfg.keep_original, verify_decode=cfg.decode_check)
-    parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items)
+    parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column)
     plan = make_plan(cfg, engine.scan(cfg, parts, progress.scanned), engine.path_of)
     items = plan.items
     fp, rejects = plan.fingerprint, plan.rejects

@@ -1,6 +1,7 @@
 """Input formats -> `Item`s: the first stage of `pack`. Reads listings and manifests only, never audio samples.
 
-    input (folder | .tsv/.csv/.jsonl[.gz] manifest | LibriSpeech tree | Lhotse CutSet .jsonl[.gz], any fsspec URL)
+    input (folder | .tsv/.csv/.jsonl[.gz] manifest | LibriSpeech tree | Lhotse CutSet .jsonl[.gz], any fsspec URL;
+           Kaldi data dir | Hugging Face dataset | Common Voice release: see corpora.py)
       -> iter_items(...) -> Item(id, audio, text, start_s, duration_s, speaker, language, extra) | Reject(id, path, reason)
 
 Bad inputs become `Reject`s (reason = snake_case code + ": details") rather than exceptions, so one broken line
@@ -29,7 +30,8 @@ from shardtrain import storage
 
 log = logging.getLogger(__name__)
 
-SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse")
+SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse", "kaldi", "hf", "commonvoice")
+"""kaldi, hf and commonvoice are read by pack/corpora.py."""
 AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio files a "dir" source picks up (case-insensitive); anything else in the tree is ignored."""
 
@@ -126,16 +128,25 @@ def _is_jsonl(path: str) -> bool:
 def detect_format(input: str, storage_options: dict | None = None) -> str:
     """Guess the source format of `input` (one of SOURCE_FORMATS except "auto").
 
-    Rules, in order: `.tsv` / `.csv` files; `.jsonl[.gz]` files are "lhotse" when the first record has a
+    Rules, in order: a Kaldi data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, dataset_info.json)
+    or a Common Voice release (clips/ + TSVs; a TSV with path, sentence and client_id beside clips/); `.tsv` / `.csv`
+    files; `.jsonl[.gz]` files are "lhotse" when the first record has a
     "supervisions" or "recording" key, else "jsonl"; a folder with `<a>/<b>/*.trans.txt` is "librispeech"; a folder
     holding at least one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
     for "dir") a walk that stops at the first audio file.
     """
+    from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
+
     fs, path = _fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
-                  f"or a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts")
+                  f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts, a Kaldi "
+                  "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet) or a Common Voice release "
+                  "(clips/ + validated.tsv)")
     if not fs.exists(path):
         raise ValueError(f"input {input!r} does not exist; expected {looked_for}")
+    other = corpora.detect(fs, path)  # Kaldi data dir, Hugging Face dataset, Common Voice release
+    if other is not None:
+        return other
     if fs.isfile(path):
         low = path.lower()
         if low.endswith(".tsv"):
@@ -155,9 +166,10 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     raise ValueError(f"input folder {input!r} holds no audio files; expected {looked_for}")
 
 
-def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None
-               ) -> Iterator[Item | Reject]:
-    """Yield one Item (or Reject) per utterance of `input`, in a deterministic order."""
+def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None, *,
+               text_column: str | None = None) -> Iterator[Item | Reject]:
+    """Yield one Item (or Reject) per utterance of `input`, in a deterministic order. `text_column` names the
+    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present)."""
     if source_format not in SOURCE_FORMATS:
         raise ValueError(f"source_format must be one of {SOURCE_FORMATS}, got {source_format!r}")
     if source_format == "auto":
@@ -174,6 +186,14 @@ def iter_items(input: str, source_format: str = "auto", storage_options: dict | 
         return _iter_jsonl(fs, path)
     if source_format == "librispeech":
         return _iter_librispeech(fs, path)
+    if source_format in ("kaldi", "hf", "commonvoice"):
+        from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
+
+        if source_format == "kaldi":
+            return corpora.iter_kaldi(fs, path)
+        if source_format == "commonvoice":
+            return corpora.iter_commonvoice(fs, path)
+        return corpora.iter_hf(fs, path, text_column=text_column)
     return _iter_lhotse(fs, path)
 
 
@@ -472,8 +492,9 @@ class SourcePart:
 
 
 def iter_parts(input: str, source_format: str = "auto", storage_options: dict | None = None,
-               part_items: int = 1024) -> Iterator[SourcePart]:
-    """Split `input` into SourceParts of about `part_items` utterances (LibriSpeech: whole chapters)."""
+               part_items: int = 1024, *, text_column: str | None = None) -> Iterator[SourcePart]:
+    """Split `input` into SourceParts of about `part_items` utterances (LibriSpeech: whole chapters); the other
+    formats (manifests, Kaldi, Hugging Face, Common Voice) are read here by iter_items and cut into parts."""
     if source_format not in SOURCE_FORMATS:
         raise ValueError(f"source_format must be one of {SOURCE_FORMATS}, got {source_format!r}")
     if source_format == "auto":
@@ -488,7 +509,7 @@ def iter_parts(input: str, source_format: str = "auto", storage_options: dict | 
         return
     chunk: list = []
     n = 0
-    for x in iter_items(input, source_format, storage_options):
+    for x in iter_items(input, source_format, storage_options, text_column=text_column):
         chunk.append(x)
         if len(chunk) >= part_items:
             yield SourcePart(index=n, input=input, source_format=source_format, items=tuple(chunk))
