@@ -571,7 +571,7 @@ def _cmd_export(args) -> int:
         return 2
     print(f"export: {r.path} ({r.bytes / 1e6:.1f} MB, input {'waves' if r.with_features else 'feats'}, "
           f"step {tm.step}, {r.export_s:.1f} s)")
-    if r.quantized_path:
+    if r.quantized_path and r.quantized_bytes:
         print(f"export: {r.quantized_path} ({r.quantized_bytes / 1e6:.1f} MB, int8 dynamic quantization)")
     return 0
 

@@ -169,10 +169,12 @@ def test_evaluate_cli_json_and_markdown(run_dir, data, tmp_path, capsys):
     assert main(["evaluate", str(tmp_path), "--data", data]) == 2  # not a run dir: a clear error, not a traceback
 
 
-def test_onnx_export_matches_pytorch_and_int8_transcribes(run_dir, utterances, tmp_path):
+def test_onnx_export_matches_pytorch_and_int8_transcribes(run_dir, utterances, tmp_path, capsys):
     tm = load_trained(run_dir)
-    res = export_onnx(tm, tmp_path / "m.onnx", quantize="int8")
-    fp32, int8 = OnnxRecognizer(res.path), OnnxRecognizer(res.quantized_path)
+    assert main(["export", str(run_dir), str(tmp_path / "m.onnx"), "--quantize", "int8"]) == 0
+    assert "m.int8.onnx" in capsys.readouterr().out
+    path, qpath = tmp_path / "m.onnx", tmp_path / "m.int8.onnx"
+    fp32, int8 = OnnxRecognizer(path), OnnxRecognizer(qpath)
     waves, lengths = _batch([w for _, w, _ in utterances])
     ref_lp, ref_len = tm.log_probs(waves, lengths, 16000)
     lp, ol = fp32.log_probs(waves, lengths, 16000)
@@ -193,7 +195,8 @@ def test_onnx_export_matches_pytorch_and_int8_transcribes(run_dir, utterances, t
             s.add("u", ref, hyp)
         cer[name] = s.summary()["cer"]
     assert cer["int8"] <= cer["fp32"] + 0.05, cer
-    assert res.quantized_bytes < 0.6 * res.bytes
+    assert qpath.stat().st_size < 0.6 * path.stat().st_size
+    assert not Path(str(path) + ".data").exists()  # one self-contained file
 
 
 @pytest.mark.slow
@@ -225,3 +228,17 @@ def test_bilstm_preset_trains_and_is_batch_independent(data, utterances, tmp_pat
     assert torch.allclose(lp[2, : ol[2]], alone[0, : ol1[0]], atol=1e-5)
     rows, errors = transcribe(tm, [data], TranscribeConfig(progress=False))
     assert len(rows) == TRAIN_UTTS and not errors
+
+
+@pytest.mark.s3
+def test_transcribe_reads_a_dataset_on_s3(run_dir, speech_corpus, s3, s3_bucket, tmp_path):
+    rows = (speech_corpus / "manifest.tsv").read_text().splitlines()
+    tsv = tmp_path / "subset.tsv"
+    tsv.write_text("\n".join([rows[0]] + [str(speech_corpus / r.split("\t")[0]) + "\t" + r.split("\t", 1)[1]
+                                          for r in rows[1 : TRAIN_UTTS + 1]]) + "\n")
+    url = f"{s3_bucket}/val"
+    pack(PackConfig(input=str(tsv), output=url, storage_options=s3.storage_options, progress=False))
+    tm = load_trained(run_dir)
+    got, errors = transcribe(tm, [url], TranscribeConfig(progress=False, storage_options=s3.storage_options))
+    assert not errors and len(got) == TRAIN_UTTS and all(r["source"] == url for r in got)
+    assert sum(r["cer"] for r in got) / TRAIN_UTTS < 0.05

@@ -23,13 +23,14 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from shardtrain.train.augment import resample
 from shardtrain.train.config import RunConfig
 from shardtrain.train.features import log_mel, normalize
-from shardtrain.train.model import build_model
+from shardtrain.train.model import SpeechModel, build_model
 from shardtrain.train.overrides import from_dict
 from shardtrain.train.qat import enable_qat
 from shardtrain.train.text import Tokenizer, tokenizer_from_json
@@ -114,7 +115,8 @@ class TrainedModel:
         return outputs, out_lengths
 
     def decode(self, log_probs: torch.Tensor, out_lengths: torch.Tensor) -> list[str]:
-        return [self.tokenizer.decode(ids) for ids in self.model.decode(log_probs, out_lengths)]
+        model = cast(SpeechModel, self.model)
+        return [self.tokenizer.decode(ids) for ids in model.decode(log_probs, out_lengths)]
 
     def transcribe(self, waves: torch.Tensor, lengths: torch.Tensor, rate_hz: int) -> list[str]:
         """Greedy CTC transcripts of a padded batch."""

@@ -31,6 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ import torch
 from shardtrain.infer.checkpoint_model import TrainedModel
 from shardtrain.train.augment import resample
 from shardtrain.train.features import FeatureConfig, log_mel, normalize
+from shardtrain.train.model import CTCModel
 from shardtrain.train.overrides import from_dict
 from shardtrain.train.qat import disable_qat
 from shardtrain.train.text import Tokenizer, greedy_decode, tokenizer_from_json
@@ -54,7 +56,7 @@ MIN_FRAMES = 32
 class AudioToLogProbs(torch.nn.Module):
     """waves [B, T] + lengths [B] -> (log_probs [B, T', V], out_lengths [B]); features computed in the graph."""
 
-    def __init__(self, model: torch.nn.Module, fc: FeatureConfig) -> None:
+    def __init__(self, model: CTCModel, fc: FeatureConfig) -> None:
         super().__init__()
         self.model, self.fc, self.mel = model, fc, fc.mel_module()
 
@@ -64,7 +66,7 @@ class AudioToLogProbs(torch.nn.Module):
 
 
 class FeatsToLogProbs(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: CTCModel) -> None:
         super().__init__()
         self.model = model
 
@@ -92,7 +94,7 @@ def export_onnx(tm: TrainedModel, out: str | os.PathLike, *, with_features: bool
                          "ONNX export supports the built-in CTC model (model.factory empty)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model = copy.deepcopy(tm.model).to("cpu").eval()  # tm stays usable (device, QAT) after the export
+    model = cast(CTCModel, copy.deepcopy(tm.model).to("cpu").eval())  # tm stays usable (device, QAT) after the export
     disable_qat(model)  # the float graph; ONNX Runtime quantizes it for real
     fc = tm.config.features
     batch = torch.export.Dim("batch", min=1)
@@ -136,7 +138,10 @@ def _write_metadata(path: Path, tm: TrainedModel, with_features: bool) -> None:
             "shardtrain.step": str(tm.step), "shardtrain.encoder": tm.config.model.encoder}
     for k, v in meta.items():
         m.metadata_props.add(key=k, value=v)
-    onnx.save(m, str(path))
+    onnx.save(m, str(path))  # weights inline (the exporter's side file is folded in): one self-contained file
+    side = path.with_name(path.name + ".data")
+    if side.exists():
+        side.unlink()
 
 
 def mel_matmuls(model, fc: FeatureConfig) -> list[str]:

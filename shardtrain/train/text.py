@@ -146,8 +146,8 @@ def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[list[i
 def edit_distance(ref: Sequence, hyp: Sequence) -> int:
     """Levenshtein distance (substitutions, insertions, deletions all cost 1) of two strings or token lists.
 
-    rapidfuzz's C++ implementation (bit-parallel): ~1000x faster than the pure-Python O(len(ref) * len(hyp)) loop
-    it replaced (69 ms per 500-character pair), which ran on the training rank's main thread during validation.
+    rapidfuzz's C++ implementation (bit-parallel): a 500-character pair takes ~10 us here, against 36-69 ms for the
+    pure-Python O(len(ref) * len(hyp)) loop it replaced, which ran on the training rank's main thread in validation.
     Word lists work too: any hashable elements compare by equality.
     """
     return Levenshtein.distance(ref, hyp)
@@ -160,8 +160,8 @@ def edit_ops(ref: Sequence, hyp: Sequence) -> dict[str, int]:
     several alignments are optimal, rapidfuzz picks one (the split can differ from other tools; the sum cannot).
     """
     out = {"sub": 0, "ins": 0, "del": 0}
-    for tag, *_ in Levenshtein.editops(ref, hyp):
-        out[_OP_NAMES[tag]] += 1
+    for op in Levenshtein.editops(ref, hyp):
+        out[_OP_NAMES[op.tag]] += 1
     return out
 
 
