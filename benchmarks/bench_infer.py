@@ -103,22 +103,33 @@ def run_once(rec, utts, groups) -> tuple[float, list[str]]:
     return time.perf_counter() - t0, hyps
 
 
-def measure(name: str, rec, utts, args) -> dict:
+def measure(runners: list[tuple[str, object]], utts, args) -> list[dict]:
+    """Best of --repeats per runner and mode, the passes interleaved (runner A, B, C, A, B, C, ...) so a burst of
+    other load on a shared machine hits every runner alike instead of one."""
     audio_s = sum(len(w) for _, w, _ in utts) / 16000
-    row: dict = {"runner": name}
-    for mode, groups in (("batch1", [[i] for i in range(len(utts))]), ("batched", batches(utts, args.batch_seconds))):
+    modes = {"batch1": [[i] for i in range(len(utts))], "batched": batches(utts, args.batch_seconds)}
+    best = {(name, mode): float("inf") for name, _ in runners for mode in modes}
+    hyps: dict[str, list[str]] = {}
+    for _, rec in runners:
         run_once(rec, utts[:2], [[0], [1]])  # warm-up (allocators, ORT graph optimisation, CUDA context)
-        best, hyps = min((run_once(rec, utts, groups) for _ in range(args.repeats)), key=lambda x: x[0])
-        row[f"rtf_{mode}"] = best / audio_s
-        if mode == "batched":
-            s = Score()
-            for (key, _, ref), hyp in zip(utts, hyps):
-                s.add(key, ref, hyp)
-            summary = s.summary()
-            row["cer"], row["wer"] = summary["cer"], summary["wer"]
-            row["_hyps"] = hyps
-    log.info("%s: %s", name, {k: v for k, v in row.items() if not k.startswith("_")})
-    return row
+    for _ in range(args.repeats):
+        for name, rec in runners:
+            for mode, groups in modes.items():
+                wall, h = run_once(rec, utts, groups)
+                best[(name, mode)] = min(best[(name, mode)], wall)
+                if mode == "batched":
+                    hyps[name] = h
+    rows = []
+    for name, _ in runners:
+        s = Score()
+        for (key, _, ref), hyp in zip(utts, hyps[name]):
+            s.add(key, ref, hyp)
+        summary = s.summary()
+        rows.append({"runner": name, "rtf_batch1": best[(name, "batch1")] / audio_s,
+                     "rtf_batched": best[(name, "batched")] / audio_s, "cer": summary["cer"],
+                     "wer": summary["wer"], "_hyps": hyps[name]})
+        log.info("%s: %s", name, {k: v for k, v in rows[-1].items() if not k.startswith("_")})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", default="cpu", help="comma list: cpu, cuda (default cpu)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads for torch and ORT (default 1)")
     ap.add_argument("--batch-seconds", type=float, default=60.0, help="padded seconds per batch (default 60)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed passes per runner and mode; best kept")
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes per runner and mode; best kept")
     ap.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR / "infer"), help="cache of corpora, runs, models")
     ap.add_argument("--out-dir", default=None, help="also write bench_infer.json and bench_infer.md here")
     args = ap.parse_args(argv)
@@ -151,11 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     tm = load_trained(run, device="cpu")
     onnx_path = work / f"export-{tm.path.parent.parent.name}-{tm.step}.onnx"
     exp = export_onnx(tm, onnx_path, quantize="int8")
-    rows = [measure("pytorch cpu", tm, utts, args),
-            measure("onnxruntime fp32 cpu", OnnxRecognizer(exp.path, threads=args.threads), utts, args),
-            measure("onnxruntime int8 cpu", OnnxRecognizer(exp.quantized_path, threads=args.threads), utts, args)]
+    runners: list[tuple[str, object]] = [
+        ("pytorch cpu", tm), ("onnxruntime fp32 cpu", OnnxRecognizer(exp.path, threads=args.threads)),
+        ("onnxruntime int8 cpu", OnnxRecognizer(exp.quantized_path, threads=args.threads))]
     if "cuda" in args.devices.split(","):
-        rows += gpu_rows(run, exp, utts, args)
+        runners += gpu_runners(run, exp)
+    rows = measure(runners, utts, args)
     ref = rows[0]["_hyps"]
     for r in rows:
         r["same_transcripts_as_pytorch"] = sum(a == b for a, b in zip(r.pop("_hyps"), ref)) / len(ref)
@@ -181,16 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def gpu_rows(run: Path, exp, utts, args) -> list[dict]:
+def gpu_runners(run: Path, exp) -> list[tuple[str, object]]:
     if not torch.cuda.is_available():
         log.warning("--devices cuda: no CUDA device; GPU rows skipped")
         return []
-    out = [measure("pytorch cuda", load_trained(run, device="cuda"), utts, args)]
+    out: list[tuple[str, object]] = [("pytorch cuda", load_trained(run, device="cuda"))]
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
-        out.append(measure("onnxruntime fp32 cuda", OnnxRecognizer(exp.path, providers=["CUDAExecutionProvider"]),
-                           utts, args))
+        out.append(("onnxruntime fp32 cuda", OnnxRecognizer(exp.path, providers=["CUDAExecutionProvider"])))
     else:
         log.warning("onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu); ORT GPU rows skipped")
     return out
