@@ -167,6 +167,10 @@ def test_evaluate_cli_json_and_markdown(run_dir, data, tmp_path, capsys):
     c = res["chars"]
     assert c["errors"] == c["sub"] + c["ins"] + c["del"] and res["cer"] == pytest.approx(c["errors"] / c["ref"])
     assert main(["evaluate", str(tmp_path), "--data", data]) == 2  # not a run dir: a clear error, not a traceback
+    empty = tmp_path / "not_a_dataset"
+    empty.mkdir()
+    assert main(["transcribe", str(run_dir), str(empty), "--no-progress"]) == 1  # nothing to read is not a success
+    assert "no manifest.json" in capsys.readouterr().err
 
 
 def test_onnx_export_matches_pytorch_and_int8_transcribes(run_dir, utterances, tmp_path, capsys):

@@ -160,8 +160,9 @@ class Transcriber:
                 files.append(_File(path=p, duration_s=float(info.duration), rate_hz=int(info.samplerate)))
             except (sf.SoundFileError, RuntimeError) as e:
                 self._error(str(p), "unreadable_audio", str(e))
-        if not files:
-            log.warning("%s: no readable audio files (%s)", root, ", ".join(AUDIO_EXTS))
+        if not files:  # e.g. a dataset folder whose manifest.json is missing (an unfinished pack): say so
+            self._error(str(root), "no_audio", f"no readable {'/'.join(AUDIO_EXTS)} files, and no manifest.json "
+                                               "(not a dataset)")
         plan = plan_file_batches(files, self.cfg.max_batch_seconds)
         return self._load_files(plan, str(root)), sum(f.duration_s for f in files)
 
