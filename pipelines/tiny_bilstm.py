@@ -1,4 +1,4 @@
-"""Tiny CNN + BiLSTM CTC model (the seed trainer's architecture, ~1.3M parameters) on the tiny_cpu recipe.
+"""Tiny CNN + BiLSTM CTC model (the seed trainer's architecture, ~0.95M parameters) on the tiny_cpu recipe.
 
     shardtrain train --data shards/train --val-data shards/dev --pipeline tiny_bilstm --max-steps 600 --out runs/lstm
 
