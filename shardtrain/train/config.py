@@ -89,6 +89,9 @@ class TrainConfig:
     """Also write TensorBoard events under out_dir/tensorboard."""
     progress: bool = True
     """tqdm progress bar on rank 0 (only when stderr is a terminal)."""
+    qat: bool = False
+    """Quantization-aware training: every nn.Linear fake-quantizes its input (uint8) and weight (int8) the way
+    ONNX Runtime's dynamic int8 quantization will (see train/qat.py); `shardtrain export --quantize int8`."""
     cpu_threads: int = 0
     """torch intra-op threads when training on the CPU; 0 keeps torch's default. On a busy machine (or beside the
     loader's decode threads) 1 can be several times faster for small models: OpenMP threads spin-wait on each
