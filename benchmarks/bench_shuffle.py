@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,40 @@ def lhotse_epochs(dur: np.ndarray, epochs: int, max_batch_seconds: float, num_bu
     return out
 
 
+def loader_run(url: str, max_batch_seconds: float, run_mb: float, batches_per_chunk: int, epochs: int) -> dict:
+    """Run in a fresh interpreter: `epochs` of the real loader (one rank, local disk, default threads)."""
+    from shardtrain.load.bench import BenchConfig, bench_loader
+    from shardtrain.load.config import StreamConfig
+    from shardtrain.load.plan import BucketConfig
+    from shardtrain.world import World
+
+    bucket = BucketConfig(max_batch_seconds=max_batch_seconds, run_mb=run_mb, batches_per_chunk=batches_per_chunk)
+    return bench_loader(url, world=World(), seed=0, stream=StreamConfig(bucket=bucket), bench=BenchConfig(epochs=epochs))
+
+
+def throughput(ds: str, args: argparse.Namespace) -> list[dict]:
+    """The loader with mixing (default) and without (run_mb=0, batches_per_chunk=1), alternated --repeats times,
+    beside the decode-only limit (all cores, no batching) of the same shards."""
+    runs: dict[str, list[dict]] = {"shardtrain (default)": [], "shardtrain run_mb=0 (before issue 11)": [],
+                                   "decode-only limit": []}
+    for _ in range(args.repeats):
+        for label, mb, k in (("shardtrain (default)", 1.0, 4), ("shardtrain run_mb=0 (before issue 11)", 0.0, 1)):
+            runs[label].append(common.run_isolated("bench_shuffle", "loader_run", {
+                "url": ds, "max_batch_seconds": args.max_batch_seconds, "run_mb": mb, "batches_per_chunk": k,
+                "epochs": args.loader_epochs}))
+        runs["decode-only limit"].append(common.run_isolated("bench_loader", "run_decode_limit", {
+            "paths": common.shard_paths(Path(ds)), "processes": 2, "epochs": args.loader_epochs}))
+    out = []
+    for label, rs in runs.items():
+        agg = common.aggregate(rs, ("audio_s_per_s", "first_batch_s", "peak_rss_mb"))
+        out.append({"loader": label, **{k: common.fmt_stat(v, 2 if k == "first_batch_s" else 0)
+                                         for k, v in agg.items()}, "runs": rs})
+    limit = statistics.median(r["audio_s_per_s"] for r in runs["decode-only limit"])
+    for row, rs in zip(out, runs.values()):
+        row["of_decode_limit"] = f"{statistics.median(r['audio_s_per_s'] for r in rs) / limit:.0%}"
+    return out
+
+
 def load_index(args: argparse.Namespace):
     from shardtrain.load.plan import PLAN_COLUMNS, PlanIndex
 
@@ -156,12 +191,15 @@ def measure(args: argparse.Namespace) -> dict:
         for nb in args.lhotse_buckets:
             add(f"lhotse DynamicBucketingSampler ({nb} buckets)",
                 lhotse_epochs(dur, args.epochs, args.max_batch_seconds, nb, args.seed))
+    if args.throughput:
+        thr = throughput(name, args)
     ref = next(r for r in rows if r["sampler"].startswith("uniform"))["pair_repeat_rate"]
     for r in rows:
         r["vs_uniform"] = round(r["pair_repeat_rate"] / ref, 2) if ref else None
     return {"bench": "shuffle", "git": common.git_sha(), "dataset": name, "rows_in_index": n,
             "audio_hours": round(float(dur.sum()) / 3600, 2), "world_size": args.world_size, "epochs": args.epochs,
-            "max_batch_seconds": args.max_batch_seconds, "results": rows}
+            "max_batch_seconds": args.max_batch_seconds, "results": rows,
+            "throughput": thr if args.throughput else None, "loader_epochs": args.loader_epochs}
 
 
 COLUMNS = [("sampler", "sampler"), ("pair_repeat_rate", "pair repeat rate"), ("vs_uniform", "x uniform"),
@@ -183,6 +221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches-per-chunk", type=int, nargs="*", default=[])
     ap.add_argument("--lhotse-buckets", type=int, nargs="*", default=[30, 10])
     ap.add_argument("--no-lhotse", action="store_true")
+    ap.add_argument("--throughput", action="store_true", help="also time the real loader, with and without mixing")
+    ap.add_argument("--repeats", type=int, default=3, help="throughput runs per loader (alternated)")
+    ap.add_argument("--loader-epochs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=common.BENCH_DIR / "results" / "bench_shuffle.json")
     return ap.parse_args(argv)
 
@@ -196,6 +237,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{res['dataset']}: {res['rows_in_index']} utterances, {res['audio_hours']} h, world size "
           f"{res['world_size']}, max_batch_seconds {res['max_batch_seconds']:g}, epochs {res['epochs']}\n")
     print(common.markdown_table(res["results"], COLUMNS))
+    if res["throughput"]:
+        print(f"\nloader throughput, local disk, {res['loader_epochs']} epochs, median "
+              "(min-max); timings are noisy on a shared 2-core machine\n")
+        print(common.markdown_table(res["throughput"], [("loader", "loader"), ("audio_s_per_s", "audio-s/s"),
+                                                        ("of_decode_limit", "of decode limit"),
+                                                        ("first_batch_s", "first batch s"),
+                                                        ("peak_rss_mb", "peak RSS MB")]))
     return res
 
 

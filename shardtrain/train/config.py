@@ -89,6 +89,12 @@ class TrainConfig:
     """Also write TensorBoard events under out_dir/tensorboard."""
     progress: bool = True
     """tqdm progress bar on rank 0 (only when stderr is a terminal)."""
+    elastic_batch: str = "accumulate"
+    """How a resume on another world size answers the changed global batch (train/elastic.py): "accumulate" keeps
+    world size x grad_accum_steps near the checkpoint's and scales lr by what remains, "scale_lr" scales lr
+    linearly with the global batch, "none" changes neither."""
+    log_keys: bool = False
+    """Write the utterance keys of every micro-batch to out_dir/keys/rank{R}.jsonl (audit; train/keylog.py)."""
     cpu_threads: int = 0
     """torch intra-op threads when training on the CPU; 0 keeps torch's default. On a busy machine (or beside the
     loader's decode threads) 1 can be several times faster for small models: OpenMP threads spin-wait on each
@@ -107,6 +113,8 @@ class TrainConfig:
             raise ValueError("train.tokenizer=sentencepiece needs train.sentencepiece_model=PATH")
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("train.lr must be > 0, train.warmup_steps >= 0, train.min_lr_ratio in [0, 1]")
+        if self.elastic_batch not in ("accumulate", "scale_lr", "none"):
+            raise ValueError(f"train.elastic_batch must be 'accumulate', 'scale_lr' or 'none', got {self.elastic_batch!r}")
         if self.cpu_threads < 0:
             raise ValueError("train.cpu_threads must be >= 0 (0 = torch default)")
         if self.log_every_steps < 1 or self.keep_last < 0:

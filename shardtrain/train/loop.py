@@ -44,6 +44,8 @@ from tqdm import tqdm
 from shardtrain import faults
 
 from shardtrain.train import checkpoint as ckpt
+from shardtrain.train import elastic
+from shardtrain.train.keylog import KeyLog
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
 from shardtrain.train.evaluate import evaluate
 from shardtrain.train.metrics import MetricsLogger
@@ -148,6 +150,8 @@ class _Run:
     step: int = 0
     best_val: float = math.inf
     loader_state: dict | None = None
+    resized: elastic.Decision | None = None
+    """Set when the checkpoint came from another world size (elastic.py)."""
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
@@ -170,7 +174,8 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc)),
                scaler=torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16"))
     if state and latest is not None:
-        _load_state(run, state, device)
+        _load_state(run, state, device, seed=tc.seed * 1000 + world.rank)
+        run.resized = elastic.decide(state["meta"], cfg, world.world_size)
         stored, now = state["meta"]["config"], json.loads(json.dumps(to_dict(cfg)))
         changed = sorted(k for k in stored if stored[k] != now.get(k))
         if changed:
@@ -183,7 +188,7 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
     return run
 
 
-def _load_state(run: _Run, state: dict, device: torch.device) -> None:
+def _load_state(run: _Run, state: dict, device: torch.device, seed: int) -> None:
     run.raw_model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["main"]["optimizer"])
     run.scheduler.load_state_dict(state["main"]["scheduler"])
@@ -191,6 +196,9 @@ def _load_state(run: _Run, state: dict, device: torch.device) -> None:
     run.step = int(state["main"]["step"])
     run.best_val = float(state["main"].get("best_val_loss", math.inf))
     run.loader_state = json.loads(state["rank"]["loader_state"])
+    if state["rank"]["rng_cpu"] is None:  # a rank the checkpoint's (smaller) world did not have
+        torch.manual_seed(seed + 7919 * run.step)
+        return
     torch.set_rng_state(state["rank"]["rng_cpu"])
     if device.type == "cuda" and state["rank"].get("rng_cuda") is not None:
         torch.cuda.set_rng_state(state["rank"]["rng_cuda"], device)
@@ -216,8 +224,14 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
         out.mkdir(parents=True, exist_ok=True)
     comm.barrier()
     run = _restore(cfg, world, device, resume, storage_options, out / "checkpoints")
+    if run.resized is not None:
+        cfg = elastic.apply(cfg, run.resized, run.optimizer, run.scheduler)
+        tc = cfg.train
     _write_run_files(cfg, run, out, world, device)
     metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
+    if run.resized is not None:
+        metrics.log(run.resized.row(run.step))
+    keylog = KeyLog(out, world.rank, run.step) if tc.log_keys else None
     loader = build_loader(tc.data_url, world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
                           storage_options=storage_options)
     batches = iter(loader)
@@ -235,6 +249,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             with torch.random.fork_rng(devices=[]):
                 micro = [next(batches) for _ in range(tc.grad_accum_steps)]
             meter.wait_s += time.perf_counter() - t0  # time spent fetching is data wait
+            if keylog is not None:
+                keylog.write(run.step + 1, micro)
             loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
             run.step += 1
             bar.update(1)
@@ -253,6 +269,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             faults.point(f"train.step.rank{world.rank}", run.step, once_marker=out / f".fault_step_{run.step}.done")
     finally:
         batches.close()  # stops the loader's prefetch threads/workers
+        if keylog is not None:
+            keylog.close()
         bar.close()
         metrics.close()
     return {**last, "step": run.step, "out_dir": str(out)}
@@ -367,5 +385,7 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
         out / "checkpoints", step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
         rank_state=rank_state, main_state=main_state,
         model_state=run.raw_model.state_dict() if world.is_main else None,
-        meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time()}, keep_last=tc.keep_last)
+        meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time(),
+              "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None},
+        keep_last=tc.keep_last)
     last["checkpoint"] = str(path)
