@@ -128,7 +128,7 @@ class MixtureLoader(Loader):
         h = hashlib.sha1(json.dumps([[ix.fingerprint(), w] for ix, (_, w) in zip(indexes, self.sources)]
                                     + [epoch_hours]).encode())
         self.fingerprint = "mix-" + h.hexdigest()[:16]
-        self.counters = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0,
+        self.counters: dict = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0,
                          "dataset_seconds": [0.0] * len(self.sources)}
         self.stage_s = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
         self.skipped_keys: list[dict] = []

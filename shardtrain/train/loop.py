@@ -54,7 +54,7 @@ from shardtrain.train.overrides import to_dict
 from shardtrain.load.loader import build_loader
 from shardtrain.train.text import CharVocab, SentencePieceVocab, tokenizer_from_json
 from shardtrain.world import World
-from shardtrain.train.config import RunConfig, TrainConfig
+from shardtrain.train.config import RunConfig, TrainConfig, data_sources
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,9 @@ def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | Non
     if cfg.tokenizer == "sentencepiece":
         return SentencePieceVocab(cfg.sentencepiece_model)
     # rank 0 reads the text column once and broadcasts the character list (not every rank re-reading it)
-    chars = [CharVocab.from_index(cfg.data_url, storage_options).chars if world.is_main else None]
+    urls = (cfg.data_url, *cfg.mix_urls)
+    chars = [sorted(set().union(*(CharVocab.from_index(u, storage_options).chars for u in urls)))
+             if world.is_main else None]
     if world.world_size > 1:
         dist.broadcast_object_list(chars, src=0)
     return CharVocab(chars[0])
@@ -232,7 +234,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     if run.resized is not None:
         metrics.log(run.resized.row(run.step))
     keylog = KeyLog(out, world.rank, run.step) if tc.log_keys else None
-    loader = build_loader(tc.data_url, world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
+    loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
                           storage_options=storage_options)
     batches = iter(loader)
     augmenters = Augmenters(cfg, device)
@@ -258,6 +260,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             run.loader_state = micro[-1][1]
             if run.step % tc.log_every_steps == 0 or run.step == tc.max_steps:
                 row = meter.row(run, comm, float(loader.stats()["skipped"]), micro[-1][0].epoch, device)
+                row.update(_dataset_seconds(loader, comm))
                 metrics.log(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
                 last.update(row)
@@ -315,6 +318,14 @@ def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.de
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     return loss, global_tokens
+
+
+def _dataset_seconds(loader, comm: Collectives) -> dict:
+    """A mixture's audio seconds per dataset so far, summed over ranks (one small all-reduce): `audio_s/d<i>`."""
+    secs = loader.stats().get("dataset_seconds")
+    if not secs:
+        return {}
+    return {f"audio_s/d{i}": s for i, s in enumerate(comm.sum(list(secs)))}
 
 
 @dataclass(slots=True)
