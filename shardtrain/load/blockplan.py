@@ -2,15 +2,16 @@
 table, then loads and deals only its own rows. Not wired into the Loader yet; benchmarks/bench_plan_scale.py
 --simulate runs it for 1k..100M rows and 1..1,024 ranks.
 
-    index (duration-sorted) -> blocks: runs of `block_rows` rows (a block never mixes over-budget rows with
-         others); per block: first row, rows, cost, max cost, bytes       (~40 B per block; 100M rows / 256 = 6 MB)
+    index (duration-sorted) -> blocks: runs of ~`block_s` seconds of audio (a block never mixes over-budget rows
+         with others); per block: first row, rows, cost, max cost, bytes       (~30 B per block; 100M rows = ~100 MB
+         at 600 s blocks; computed once per dataset, e.g. at pack time)
       -> plan_blocks (pure, identical on every rank; O(blocks)):
            buckets over blocks (equal audio, at least one batch per rank) -> per bucket n chunks (a multiple of
            world_size, <= batches_per_chunk batches each) -> blocks in random order, each to the lightest chunk
            -> groups of world_size chunks; M_g = the most batches any member needs (cost / (budget - its longest),
            so any assignment of its rows fits) -> group order shuffled
-      -> rank r: rows of its chunks only (rank_rows) -> deal_chunk: random order, each row to the least-loaded
-         batch (list scheduling: a batch never exceeds mean + longest <= budget)
+      -> rank r: rows of its chunks only (rank_batches) -> deal_chunk: random order, round-robin, or each row to
+         the least-loaded batch when that would exceed the budget (list scheduling: mean + longest <= budget)
 
 Properties, the same as plan_epoch's: exactly once (each block in one chunk), equal steps (M_g per group),
 budget (list-scheduling bound), lock-step duration bands (a group is one bucket), batch composition new every
@@ -41,14 +42,16 @@ class Blocks:
         return len(self.start)
 
 
-def make_blocks(cost: np.ndarray, size: np.ndarray, block_rows: int, budget: float) -> Blocks:
-    """Blocks of duration-sorted rows (`cost` ascending); over-budget rows get blocks of their own."""
+def make_blocks(cost: np.ndarray, size: np.ndarray, block_s: float, budget: float) -> Blocks:
+    """Blocks of about `block_s` seconds of duration-sorted rows (`cost` ascending): equal audio, so a chunk of a
+    few blocks is balanced whatever the durations; over-budget rows get blocks of their own. O(rows), numpy."""
     n = len(cost)
     cut = int(np.searchsorted(cost, budget, side="right"))  # rows [cut, n) are too long
-    starts = np.concatenate([np.arange(0, cut, block_rows), np.arange(cut, n, block_rows)]).astype(np.int64)
-    ends = np.append(starts[1:], n)
-    ends = np.where((starts < cut) & (ends > cut), cut, ends)
     cs = np.concatenate([[0.0], np.cumsum(cost)])
+    inner = np.searchsorted(cs[1:cut + 1], np.arange(block_s, cs[cut], block_s), side="left") + 1 if cut else []
+    starts = np.unique(np.concatenate([[0], inner, np.arange(cut, n, 64)])).astype(np.int64)
+    starts = starts[starts < n]
+    ends = np.append(starts[1:], n)
     bs = np.concatenate([[0], np.cumsum(size)])
     mx = np.maximum.reduceat(cost, starts) if n else np.zeros(0)
     return Blocks(start=starts, rows=(ends - starts).astype(np.int32), cost=cs[ends] - cs[starts],
@@ -63,6 +66,9 @@ class BlockPlan:
     groups: list[tuple[int, list[np.ndarray]]]
     """(batches M_g, [block ids of rank r's chunk for r in ranks]) per group, in step order."""
     too_long_rows: int
+    budget: float
+    bucket: np.ndarray
+    """Duration bucket of every block (-1: over budget); a group's chunks share one."""
 
     @property
     def steps(self) -> int:
@@ -71,17 +77,6 @@ class BlockPlan:
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 4242])))
-
-
-def _assign(ids: np.ndarray, cost: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Blocks in random order, each to the chunk with the least cost so far (chunks within one block's cost)."""
-    heap = [(0.0, c) for c in range(n)]
-    out: list[list[int]] = [[] for _ in range(n)]
-    for b in ids[rng.permutation(len(ids))].tolist():
-        load, c = heapq.heappop(heap)
-        out[c].append(b)
-        heapq.heappush(heap, (load + float(cost[b]), c))
-    return [np.sort(np.asarray(o, np.int64)) for o in out]
 
 
 def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig) -> BlockPlan:
@@ -103,19 +98,24 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
         per_chunk = cfg.batches_per_chunk * budget * FILL_TARGET
         n = max(1, math.ceil(cost / per_chunk), math.ceil(float(blocks.nbytes[ids].sum()) / (cfg.chunk_mb * 1e6)))
         n = min(math.ceil(n / world_size) * world_size, max(world_size, (len(ids) // world_size) * world_size))
-        chunks = _assign(ids, blocks.cost, n, rng)
-        for g0 in range(0, n, world_size):
-            members = chunks[g0:g0 + world_size]
-            m = 1
-            for c in members:  # enough batches that any order fits; never more than one row per batch
-                if len(c):
-                    room = budget - float(blocks.max_cost[c].max())
-                    need = math.ceil(float(blocks.cost[c].sum()) / max(room, 1e-9) - 1e-9)
-                    m = max(m, min(need, int(blocks.rows[c].sum())))
-            groups.append((m, members))
+        seq = ids[rng.permutation(len(ids))]  # blocks in random order, cut into n runs of equal cost
+        cum = np.cumsum(blocks.cost[seq])
+        bounds = np.concatenate([[0], np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left"), [len(seq)]])
+        # per chunk: enough batches that any order of its rows fits, never more than one row per batch
+        c_cost = np.diff(np.concatenate([[0.0], cum])[bounds])
+        c_rows = np.diff(np.concatenate([[0], np.cumsum(blocks.rows[seq])])[bounds])
+        nonempty = bounds[:-1] < bounds[1:]
+        c_max = np.zeros(n)
+        c_max[nonempty] = np.maximum.reduceat(blocks.max_cost[seq], bounds[:-1][nonempty])
+        need = np.ceil(c_cost / np.maximum(budget - c_max, 1e-9) - 1e-9)
+        need = np.maximum(1, np.minimum(need, c_rows)).astype(np.int64).reshape(-1, world_size).max(axis=1)
+        chunks = [np.sort(p) for p in np.split(seq, bounds[1:-1])]
+        groups.extend((int(need[g]), chunks[g * world_size:(g + 1) * world_size]) for g in range(len(need)))
     order = rng.permutation(len(groups))
     return BlockPlan(epoch=epoch, world_size=world_size, groups=[groups[i] for i in order],
-                     too_long_rows=int(blocks.rows[blocks.too_long].sum()))
+                     too_long_rows=int(blocks.rows[blocks.too_long].sum()), budget=budget,
+                     bucket=np.where(blocks.too_long, -1, np.searchsorted(edges, blocks.cost / np.maximum(blocks.rows, 1),
+                                                                          side="right")))
 
 
 def chunk_rows(blocks: Blocks, ids: np.ndarray) -> np.ndarray:
@@ -127,15 +127,20 @@ def chunk_rows(blocks: Blocks, ids: np.ndarray) -> np.ndarray:
     return offs + np.arange(int(counts.sum()))
 
 
-def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Rows (with their costs) in random order, each to the least-loaded of m batches: every batch stays under
-    mean + longest row, which the group's M_g keeps within the budget. O(rows log m), a Python loop."""
+def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float,
+               rng: np.random.Generator) -> list[np.ndarray]:
+    """Rows (with their costs) in random order dealt round-robin into m batches; when one would exceed the budget,
+    each row goes to the least-loaded batch instead (list scheduling: every batch stays under mean + longest row,
+    which the group's M_g keeps within the budget; a Python loop, so only as a fallback)."""
     p = rng.permutation(len(rows))
+    rows, cost = rows[p], cost[p]
     if m == 1:
-        return [rows[p]]
+        return [rows]
+    if np.bincount(np.arange(len(rows)) % m, weights=cost, minlength=m).max() <= budget + 1e-9:
+        return [rows[i::m] for i in range(m)]
     heap = [(0.0, i) for i in range(m)]
     out: list[list[int]] = [[] for _ in range(m)]
-    for r, c in zip(rows[p].tolist(), cost[p].tolist()):
+    for r, c in zip(rows.tolist(), cost.tolist()):
         load, i = heapq.heappop(heap)
         out[i].append(r)
         heapq.heappush(heap, (load + c, i))
@@ -149,5 +154,5 @@ def rank_batches(plan: BlockPlan, blocks: Blocks, cost_of, rank: int, seed: int)
     out: list[np.ndarray] = []
     for m, members in plan.groups:
         rows = chunk_rows(blocks, members[rank])
-        out.extend(deal_chunk(rows, cost_of(rows), m, rng))
+        out.extend(deal_chunk(rows, cost_of(rows), m, plan.budget, rng))
     return out
