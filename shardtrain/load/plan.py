@@ -3,7 +3,8 @@
     index.parquet (shard, offset, size, audio_offset, audio_size, duration_s; rows sorted by duration)
       -> duration buckets (bins with equal total audio, or given)                     -> contiguous row ranges
       -> chunks: each bucket cut into a multiple of `world_size` pieces of equal audio -> [Chunk(rows)]
-         (one ranged read of `batches_per_chunk` batches each; cut points shift every epoch by a random phase)
+         (`batches_per_chunk` batches each; a chunk is k runs of ~`run_mb` from random places of its bucket,
+         cut at a random phase every epoch, so batch composition changes per epoch; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
       -> batches: every chunk of a group is shuffled and dealt into the same number M_g of batches
          under the budget                                                           -> Chunk.batches
@@ -15,9 +16,11 @@ Why this shape:
 - Exactly once: every non-excluded row lands in exactly one chunk and one batch. The only rows left out are
   those that alone exceed the batch budget (counted as `too_long`) or, when the corpus has fewer samples than
   ranks, all of them (refused with an error instead).
-- Locality: a chunk is a contiguous run of the duration-sorted index (at most a few byte ranges), so a reader
-  fetches it with one large sequential read, and shuffling inside it keeps padding small (neighbours in
-  duration order have near-equal length).
+- Locality: a chunk is a few contiguous runs of the duration-sorted index (~1 MB each), so a reader fetches it
+  with a few large sequential reads; shuffling inside one duration bucket keeps padding small.
+- Variety (design invariant 9): the pairs sharing a batch again next epoch are about as few as with a uniform
+  shuffle in the same buckets (about B / N for batches of B in a bucket of N), plus run-mates: ~L x B / C^2 for
+  runs of L rows in chunks of C rows (batches_per_chunk=4 keeps it small; benchmarks/bench_shuffle.py).
 - Worker independence: a rank's batch sequence is fixed before any worker exists; workers take whole chunks
   round-robin (`chunks[w::num_workers]`), and DataLoader's round-robin order restores the sequence.
 
@@ -54,10 +57,10 @@ class BucketConfig:
     bins_s: tuple[float, ...] | None = None
     """Hand-set bucket edges in seconds (ascending, interior edges only)."""
     batches_per_chunk: int = 4
-    """Full batches each chunk (one ranged read) is cut to hold. 1: a batch is a contiguous run of the duration
-    order whose boundaries move every epoch (random phase): best padding (0.96 on the 4k-utterance benchmark),
-    least memory, fastest (9,400 audio-s/s on 2 cores). 2+: utterances are shuffled across that many batches
-    (more mixing; padding 0.94 at 2)."""
+    """Most batches a chunk (what one reader item reads and decodes) holds; fewer, larger chunks mix more. 4: the
+    pair repeat rate across epochs of a uniform in-bucket shuffle on the 4k-utterance benchmark (1: 1.05-1.3x
+    it), padding 0.97; memory ~ prefetch_chunks x 4 decoded batches. With run_mb=0, 1 is the old contiguous
+    batch (padding 0.96, 58% of pairs meet again next epoch)."""
     run_mb: float = 1.0
     """Contiguous bytes per read inside a bucket. A chunk gathers its batches from runs of about this size taken
     from random places of its bucket (re-cut at a random phase every epoch) and deals them at random, so batch
