@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,16 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 from shardtrain.train.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseConfig, ReverbConfig
 from shardtrain.train.features import FeatureConfig
 
-
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def make_batch(batch: int, duration_s: float, rate: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +96,7 @@ def main(args: argparse.Namespace) -> dict:
                            "per_utt_audio_s_per_s": round(audio_s / single, 1),
                            "batched_s": round(batched, 4), "per_utt_s": round(single, 4),
                            "ratio_batched_over_per_utt": round(single / batched, 2)}
-    out = {"bench": "augment", "git_sha": _git_sha(),
+    out = {"bench": "augment", "git_sha": common.git_sha(),
            "config": {"batch": args.batch, "duration_s": args.duration_s, "audio_s": round(audio_s, 1),
                       "p": args.p, "repeats": args.repeats, "threads": torch.get_num_threads(),
                       "torch": torch.__version__},

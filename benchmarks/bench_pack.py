@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,13 +34,6 @@ import common  # noqa: E402
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
-
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except OSError:
-        return ""
 
 
 def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float, decode_check: bool = True) -> dict:
@@ -161,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                          audio_h_per_s=r["audio_s"] / 3600 / r["wall_s"], mb_per_s=r["bytes"] / 1e6 / r["wall_s"])
                 rows.append(r)
                 shutil.rmtree(out, ignore_errors=True)
-        record = {"bench": "pack", "git_sha": _git_sha(), "cpus": os.cpu_count(),
+        record = {"bench": "pack", "git_sha": common.git_sha(), "cpus": os.cpu_count(),
                   "config": {k: v for k, v in vars(args).items() if k not in ("work_dir", "keep")},
                   "corpus": {"files": n_files, "bytes": in_bytes, "make_s": round(make_s, 2)},
                   "results": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}

@@ -21,9 +21,18 @@ def init_logging(rank: int = 0, verbose: bool = False) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+    from shardtrain.storage.redact import RedactingFilter
+
+    for handler in logging.getLogger().handlers:  # -v shows botocore's request lines: never their credentials
+        handler.addFilter(RedactingFilter())
     # third-party INFO lines ("Found credentials in environment variables", ...) drown ours
     for noisy in ("aiobotocore", "botocore", "s3fs", "fsspec", "urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+_CREDS_HELP = ("Credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL) in the environment "
+               "or use an AWS profile (AWS_PROFILE, profile=NAME), not key=/secret= here: a command line is "
+               "visible to other users (ps) and kept in shell history; secret-looking values are masked in logs")
 
 
 def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> dict:
@@ -36,16 +45,21 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
     import json
     import os
 
+    from shardtrain.storage.redact import SECRET_NAME_RE
+
     out: dict = {}
     for pair in pairs or []:
         if "=" not in pair:
             raise SystemExit(f"--storage-option expects key=value, got {pair!r}")
         k, v = pair.split("=", 1)
+        if SECRET_NAME_RE.search(k) and k != "profile":
+            print(f"warning: --storage-option {k}=... puts a credential on the command line (visible in ps and "
+                  "shell history); prefer AWS_* environment variables or a profile", file=sys.stderr)
         try:
             out[k] = json.loads(v)
         except ValueError:
             out[k] = v
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     if "key" not in out and all(env.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")):
         out["key"], out["secret"] = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
         if env.get("AWS_SESSION_TOKEN"):
@@ -56,6 +70,12 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
         if region:
             ck.setdefault("region_name", region)
         out["client_kwargs"] = ck
+    from shardtrain.storage.redact import register_options, register_secret
+
+    register_options(out)  # masked in every log line from now on
+    register_secret(env.get("AWS_SECRET_ACCESS_KEY"))
+    register_secret(env.get("AWS_SESSION_TOKEN"))
+    register_secret(env.get("AWS_ACCESS_KEY_ID"), 12)
     return out
 
 
@@ -65,14 +85,19 @@ def _add_pack(sub) -> None:
 
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
-                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder or Lhotse CutSet "
-                        "(.jsonl/.jsonl.gz); any fsspec URL")
+                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder, Lhotse CutSet "
+                        "(.jsonl/.jsonl.gz), Kaldi data dir, Hugging Face dataset (.arrow/.parquet) or Common Voice "
+                        "release; any fsspec URL")
     p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
     p.add_argument("--source-format", default="auto",
-                   help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse (default: auto)")
+                   help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
+                        "commonvoice (default: auto)")
+    p.add_argument("--text-column", default=None,
+                   help="transcript column of a Hugging Face dataset input (default: text, sentence, transcription, "
+                        "... whichever exists)")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
-                        "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
+                        "client_kwargs='{\"endpoint_url\": \"http://127.0.0.1:8333\"}' or profile=NAME). " + _CREDS_HELP)
     p.add_argument("--codec", default="flac", choices=CODECS,
                    help="stored audio codec (default: flac)")
     p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
@@ -105,7 +130,7 @@ def _cmd_pack(args) -> int:
 
     try:
         cfg = PackConfig(
-            input=args.input, output=args.output, source_format=args.source_format,
+            input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
             storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
             sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
             decode_check=not args.no_decode_check,
@@ -140,7 +165,7 @@ def _add_inspect(sub) -> None:
                         "exit code 1 on any problem")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
-                   help="fsspec storage option, repeatable (e.g. endpoint_url=http://127.0.0.1:8333)")
+                   help="fsspec storage option, repeatable (e.g. profile=NAME). " + _CREDS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar during --verify")
     p.set_defaults(func=_cmd_inspect)
 
@@ -153,10 +178,10 @@ def _cmd_inspect(args) -> int:
 
     try:
         ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
+        summary = inspect(ds)
     except DatasetError as e:
         print(f"inspect: error: {e}", file=sys.stderr)
         return 2
-    summary = inspect(ds)
     problems = verify(ds, progress=not args.no_progress) if args.verify else None
     if args.json:
         if problems is not None:
@@ -254,7 +279,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--device", default="cpu", help="copy batches to this device, e.g. cuda (default cpu)")
     p.add_argument("--augment", action="store_true", help="also run the augmentation + log-mel chain per batch")
     p.add_argument("--cache-dir", default=None, help="local shard cache for remote datasets")
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option, repeatable. " + _CREDS_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_cmd_bench)
 
@@ -316,7 +342,7 @@ def _add_train(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set stream.bucket.max_batch_seconds=30 (repeatable)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec storage option for s3:// URLs (repeatable; JSON values parsed)")
+                   help="fsspec storage option for s3:// URLs (repeatable; JSON values parsed). " + _CREDS_HELP)
     p.set_defaults(func=_cmd_train)
 
 
@@ -344,10 +370,13 @@ def _cmd_train(args) -> int:
         raise SystemExit(f"train: {e}") from None
     # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    from shardtrain.format.manifest import DatasetError
+    from shardtrain.load.reader import StreamError
+
     try:
         result = train(cfg, world, resume=args.resume or attempt > 0, attempt=attempt,
                        storage_options=_parse_storage_options(args.storage_option) or None)
-    except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
+    except (ValueError, DatasetError, StreamError) as e:  # config/dataset problems: one line, not a traceback
         raise SystemExit(f"train: {e}") from None
     if world.is_main:
         print(json.dumps(result, sort_keys=True))
@@ -376,33 +405,26 @@ def _add_augment_demo(sub) -> None:
     p.add_argument("--p", type=float, default=1.0,
                    help="probability of every wave op (speed, reverb, noise, gain) per example; 1.0 shows them all")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
-                   help="fsspec storage option for s3:// URLs (repeatable), e.g. client_kwargs='{\"endpoint_url\": ...}'")
+                   help="fsspec storage option for s3:// URLs (repeatable), e.g. client_kwargs='{\"endpoint_url\": ...}'. "
+                        + _CREDS_HELP)
     p.set_defaults(func=_cmd_augment_demo)
 
 
 def _cmd_augment_demo(args) -> int:
-    import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import soundfile
     import torch
 
-    from shardtrain.train.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseBank, NoiseConfig, ReverbConfig, SpeedConfig
-    from shardtrain.train.features import FeatureConfig, log_mel
+    from shardtrain.train.augment import AugmentConfig, GainConfig, NoiseBank, NoiseConfig, ReverbConfig, SpeedConfig
+    from shardtrain.train.features import FeatureConfig
+    from shardtrain.train.showcase import write_examples
 
     if args.n < 1:
         raise SystemExit("--n must be >= 1")
     so = _parse_storage_options(args.storage_option) or None
-    feats_cfg = FeatureConfig()
-    rate = feats_cfg.sample_rate_hz
+    rate = FeatureConfig().sample_rate_hz
     if args.data:
         bank = NoiseBank.from_dataset(args.data, max_seconds=1e9, sample_rate_hz=rate, storage_options=so,
                                       max_clips=args.n)
-        names = bank.names
-        waves, lengths = bank.waves, bank.lengths
+        names, waves, lengths = bank.names, bank.waves, bank.lengths
     else:
         from shardtrain.testing.corpus import synth_wave
 
@@ -415,34 +437,9 @@ def _cmd_augment_demo(args) -> int:
                         reverb=ReverbConfig(p=args.p, rir_url=args.rir_data),
                         noise=NoiseConfig(p=args.p, snr_db=(5.0, 20.0), noise_url=args.noise_data),
                         gain=GainConfig(p=args.p))
-    chain = DeviceAugment(aug, feats_cfg, rate, storage_options=so)
-    aug_waves, aug_lengths = chain.augment_waves(waves, lengths, torch.Generator().manual_seed(args.seed))
-    final, final_lengths = chain(waves, lengths, torch.Generator().manual_seed(args.seed))  # same draws + masks
-    raw_cfg = FeatureConfig(normalize="none")
-    orig_feats, orig_flen = log_mel(chain.mel, waves, lengths, raw_cfg)
-    aug_feats, aug_flen = log_mel(chain.mel, aug_waves, aug_lengths, raw_cfg)
-    os.makedirs(args.out, exist_ok=True)
-    for i, name in enumerate(names):
-        stem = os.path.join(args.out, f"{i:02d}_{name}")
-        n0, n1 = int(lengths[i]), int(aug_lengths[i])
-        out = aug_waves[i, :n1]
-        peak = float(out.abs().max()) if n1 else 0.0
-        soundfile.write(stem + "_orig.wav", waves[i, :n0].numpy(), rate)
-        soundfile.write(stem + "_aug.wav", (out / peak * 0.99 if peak > 0.99 else out).numpy(), rate)
-        fig, axes = plt.subplots(3, 1, figsize=(10, 8), constrained_layout=True)
-        panels = [(orig_feats[i, : int(orig_flen[i])], f"original log-mel ({n0 / rate:.2f} s)"),
-                  (aug_feats[i, : int(aug_flen[i])], f"augmented log-mel ({n1 / rate:.2f} s, speed {n0 / max(n1, 1):.2f})"),
-                  (final[i, : int(final_lengths[i])], "model input: normalised + SpecAugment")]
-        for ax, (x, title) in zip(axes, panels):
-            im = ax.imshow(x.T.numpy(), origin="lower", aspect="auto", interpolation="nearest")
-            ax.set_title(title)
-            ax.set_ylabel("mel bin")
-            fig.colorbar(im, ax=ax)
-        axes[-1].set_xlabel("frame (10 ms)")
-        fig.savefig(stem + ".png", dpi=80)
-        plt.close(fig)
-        print(f"{stem}_orig.wav  {stem}_aug.wav  {stem}.png  ({n0} -> {n1} samples"
-              f"{', peak-normalised' if peak > 0.99 else ''})")
+    for w in write_examples(waves, lengths, names, aug, args.out, args.seed, so):
+        print(f"{w['orig']}  {w['aug']}  {w['png']}  ({w['samples_in']} -> {w['samples_out']} samples"
+              f"{', peak-normalised' if w['peak_normalised'] else ''})")
     return 0
 
 

@@ -213,7 +213,7 @@ def _flac_bytes(pcm: np.ndarray, rate_hz: int = 16000, fmt: str = "FLAC") -> byt
 
 
 def test_decode_into_matches_soundfile_and_reports_bad_audio():
-    from shardtrain import audio
+    from shardtrain.format import audio
 
     assert audio.FAST_DECODE, "the GIL-free memfd decoder should be active on Linux"
     rng = np.random.default_rng(0)
@@ -251,7 +251,7 @@ def test_decode_into_threads_and_fork_do_not_share_buffers():
     import multiprocessing
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardtrain import audio
+    from shardtrain.format import audio
 
     rng = np.random.default_rng(1)
     pcms = [(rng.standard_normal(int(n)) * 3000).astype(np.int16) for n in rng.integers(2000, 30000, 64)]

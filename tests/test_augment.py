@@ -318,3 +318,20 @@ def test_cpu_and_cuda_agree(gen_device):
         c, cl = gpu(waves.cuda(), lens.cuda(), g2)
         assert torch.equal(b, c) and torch.equal(bl, cl)
         _assert_padding_zero(b.abs().sum(2), bl)
+
+
+def test_augment_demo_writes_audible_and_visible_examples(tmp_path, capsys):
+    import numpy as np
+    import soundfile
+
+    from shardtrain.cli import main
+
+    assert main(["augment-demo", "--tone", "--n", "2", "--duration-s", "1.5", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2
+    for i in range(2):
+        orig, rate = soundfile.read(tmp_path / f"{i:02d}_tone{i}_orig.wav")
+        aug, rate2 = soundfile.read(tmp_path / f"{i:02d}_tone{i}_aug.wav")
+        assert rate == rate2 == 16000 and len(orig) > 0 and len(aug) > 0
+        assert len(orig) != len(aug) or not np.allclose(orig, aug)  # p=1.0: every op ran, so the audio changed
+        assert (tmp_path / f"{i:02d}_tone{i}.png").stat().st_size > 10_000

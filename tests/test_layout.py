@@ -24,6 +24,7 @@ ALLOWED = {  # room -> rooms it may import (besides itself and BASE)
     "load": {"format", "storage"},
     "train": {"load", "format", "storage"},
     "testing": {"storage"},
+    "interop": {"train", "load", "format", "storage"},
 }
 TOP = {"cli", "__main__", "__init__"}  # entry points: may import any room
 

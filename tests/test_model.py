@@ -66,7 +66,7 @@ def test_activation_checkpointing_gives_same_gradients():
 
 
 def test_user_model_factory_must_follow_protocol():
-    m = build_model(dataclasses.replace(SMALL, factory="shardtrain.model:CTCModel"), 10, 20)
+    m = build_model(dataclasses.replace(SMALL, factory="shardtrain.train.model:CTCModel"), 10, 20)
     assert isinstance(m, CTCModel) and isinstance(m, SpeechModel)
     with pytest.raises(TypeError, match="model.factory"):
         build_model(dataclasses.replace(SMALL, factory="torch.nn:Identity"), 10, 20)

@@ -182,7 +182,7 @@ def test_detect_format_errors_name_what_was_looked_for(tmp_path):
     with pytest.raises(ValueError, match="unknown type"):
         detect_format(str(tmp_path / "list.txt"))
     with pytest.raises(ValueError, match="source_format"):
-        iter_items(str(tmp_path), "kaldi")
+        iter_items(str(tmp_path), "sphinx")
 
 
 def test_remote_dir_and_manifest_give_urls_that_probe(tmp_path):

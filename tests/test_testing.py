@@ -13,7 +13,7 @@ import soundfile as sf
 
 from conftest import SPEECH_UTTERANCES, TONE_DURATIONS_S
 from shardtrain.testing.proxy import DropProxy
-from shardtrain.testing.corpus import make_corpus, normalize_text, synth_wave
+from shardtrain.testing.corpus import make_corpus, librispeech_text, synth_wave
 from shardtrain.testing.speech import synth_speech_corpus
 
 
@@ -34,7 +34,7 @@ def test_synth_wave_length_level_and_determinism():
 
 
 def test_normalize_text_librispeech_style():
-    assert normalize_text("Don't stop -- it's 'quoted', OK?\n") == "DON'T STOP IT'S QUOTED OK"
+    assert librispeech_text("Don't stop -- it's 'quoted', OK?\n") == "DON'T STOP IT'S QUOTED OK"
 
 
 def test_tone_corpus_durations_transcripts_manifests(tone_corpus):
@@ -44,7 +44,7 @@ def test_tone_corpus_durations_transcripts_manifests(tone_corpus):
         info = sf.info(tone_corpus / r["path"])
         assert (info.samplerate, info.channels, info.frames) == (16000, 1, round(d * 16000))
         assert (tone_corpus / r["path"]).with_suffix(".txt").read_text().strip() == r["text"]
-        assert r["text"] == normalize_text(r["text"]) and len(r["text"].split()) >= 3
+        assert r["text"] == librispeech_text(r["text"]) and len(r["text"].split()) >= 3
     jsonl = [json.loads(line) for line in (tone_corpus / "manifest.jsonl").read_text().splitlines()]
     assert jsonl == rows
 
@@ -95,7 +95,7 @@ def test_speech_corpus_librispeech_layout(speech_corpus):
         path = speech_corpus / r["path"]
         spk, chapter, _ = path.stem.split("-")
         assert path.parent.parent.name == spk == r["speaker"] and path.parent.name == chapter
-        assert transcripts[path.stem] == r["text"] == normalize_text(r["text"])
+        assert transcripts[path.stem] == r["text"] == librispeech_text(r["text"])
         wave, rate = sf.read(path, dtype="float32")
         assert rate == 16000 and wave.ndim == 1
         duration_s = len(wave) / rate

@@ -163,7 +163,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_train import _save
-from shardtrain.checkpoint import latest_checkpoint, read_meta
+from shardtrain.train.checkpoint import latest_checkpoint, read_meta
 root = Path({root!r})
 last = latest_checkpoint(root)
 step = read_meta(last)["step"] + 1 if last else 1

@@ -82,20 +82,21 @@ def decode(data: bytes, dtype: str = "float32") -> tuple[np.ndarray, int]:
 # ---- loader hot path ----------------------------------------------------------------------------------------
 
 class _MemfdDecoder:
-    """libsndfile on an in-memory file descriptor, called through soundfile's own cffi handle.
+    """libsndfile on an in-memory file descriptor, through soundfile's public `SoundFile(fd)`.
 
     Why: `sf.SoundFile(io.BytesIO(...))` makes libsndfile read through Python callbacks, and every callback
     takes the GIL, so two decode threads in one process topped out at ~85% of two processes (measured here:
     9,400-9,900 against 11,700 audio-s/s). Copying the member into a memfd (one pwrite, ~10 us per 100 kB) lets
-    libsndfile read with plain syscalls, so the whole decode runs without the GIL: 2-3 threads then match two
-    processes. The memfd is per thread and per process (a forked DataLoader worker must not share its parent's).
-    Costs one file descriptor per decode thread.
+    libsndfile read with plain syscalls, and soundfile's cffi calls release the GIL, so the whole decode runs
+    without it: 2-3 threads then match two processes. The memfd is per thread and per process (a forked
+    DataLoader worker must not share its parent's). Costs one file descriptor per decode thread, and the Python
+    work of opening a SoundFile per member (benchmarks/bench_decode.py compares it with soundfile's private cffi
+    handle: within the noise, see benchmarks/README.md).
     """
 
     def __init__(self) -> None:
         self.fd = os.memfd_create("shardtrain-decode", os.MFD_CLOEXEC)
         self.pid = os.getpid()
-        self.info = _ffi.new("SF_INFO*")
 
     def __del__(self) -> None:
         try:
@@ -109,32 +110,20 @@ class _MemfdDecoder:
         if os.pwrite(self.fd, data, 0) != n:
             raise AudioError("unreadable_audio", "short write to the decode buffer")
         os.lseek(self.fd, 0, os.SEEK_SET)
-        info = self.info
-        info.format = 0
-        h = _snd.sf_open_fd(self.fd, _SFM_READ, info, 0)
-        if h == _ffi.NULL:
-            raise AudioError("unreadable_audio", _ffi.string(_snd.sf_strerror(_ffi.NULL)).decode("utf-8", "replace"))
         try:
-            if info.channels != 1:
-                return -int(info.channels)  # caller falls back to the downmixing path
-            want = len(out)
-            ptr = _ffi.cast(_READF[out.dtype.char][1], out.ctypes.data)
-            got = int(_READF[out.dtype.char][0](h, ptr, want))
-            if _snd.sf_error(h):
-                raise AudioError("unreadable_audio", _ffi.string(_snd.sf_strerror(h)).decode("utf-8", "replace"))
-            return got
-        finally:
-            _snd.sf_close(h)
+            with sf.SoundFile(self.fd, closefd=False) as f:
+                if f.channels != 1:
+                    return -int(f.channels)  # caller falls back to the downmixing path
+                return len(f.read(len(out), dtype=out.dtype.name, out=out))
+        except SF_ERRORS as e:
+            raise AudioError("unreadable_audio", f"{type(e).__name__}: {e}") from e
 
 
 _tls = threading.local()
-_SFM_READ = 0x10
-try:  # soundfile's cffi handle on its bundled libsndfile (stable since soundfile 0.10); absent -> BytesIO path
-    _snd, _ffi = sf._snd, sf._ffi  # noqa: SLF001
-    _READF = {"f": (_snd.sf_readf_float, "float *"), "h": (_snd.sf_readf_short, "short *")}
-    FAST_DECODE = hasattr(os, "memfd_create")
-except AttributeError:  # pragma: no cover - other soundfile builds
-    FAST_DECODE = False
+FAST_DECODE = hasattr(os, "memfd_create")
+"""Linux: decode through a per-thread memfd without the GIL; elsewhere through BytesIO (GIL-bound callbacks)."""
+_FAST_DTYPES = "fh"  # float32, int16: what libsndfile writes straight into the row
+
 
 
 def decode_into(data, out: np.ndarray) -> int:
@@ -146,7 +135,7 @@ def decode_into(data, out: np.ndarray) -> int:
     """
     if not len(data):
         raise AudioError("empty_audio", "0 bytes")
-    if FAST_DECODE and out.flags.c_contiguous and out.dtype.char in _READF:
+    if FAST_DECODE and out.flags.c_contiguous and out.dtype.char in _FAST_DTYPES:
         dec = getattr(_tls, "dec", None)
         if dec is None or dec.pid != os.getpid():
             dec = _tls.dec = _MemfdDecoder()

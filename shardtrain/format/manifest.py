@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardtrain import storage
+from shardtrain.format.validate import DatasetError, check_index, check_manifest, parse_manifest, show
 
 FORMAT = "shardtrain"
 FORMAT_VERSION = 1
@@ -46,10 +47,6 @@ INDEX_SCHEMA = pa.schema(
     ]
 )
 """Columns of index.parquet, in order (contracts.md). Rows: shard ascending, then position in shard."""
-
-
-class DatasetError(RuntimeError):
-    """A dataset URL that cannot be read as shard format v1 (missing/incomplete/unsupported)."""
 
 
 def shard_name(i: int) -> str:
@@ -101,10 +98,22 @@ class Dataset:
         return storage.join(self.url, self.manifest.get("index", INDEX))
 
     def read_index(self, columns: Sequence[str] | None = None) -> pa.Table:
-        """index.parquet as a pyarrow Table; `columns` projects (only those column chunks are read)."""
+        """index.parquet as a pyarrow Table; `columns` projects (only those column chunks are read).
+
+        Every column read is checked against the manifest (format.validate.check_index) before it is returned:
+        a row out of range, overlapping another or sized past its duration raises DatasetError.
+        """
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset/compute/acero (~30 ms) for nothing
         with storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http) as f:
-            return pq.ParquetFile(f).read(columns=list(columns) if columns is not None else None)
+            try:
+                table = pq.ParquetFile(f).read(columns=list(columns) if columns is not None else None)
+            except (pa.ArrowException, OSError, ValueError, KeyError) as e:
+                if isinstance(e, FileNotFoundError):
+                    raise
+                raise DatasetError(f"{self.index_url}: not a readable index ({type(e).__name__}: "
+                                   f"{str(e)[:200]!r})") from None
+        check_index(table, [s.bytes for s in self.shards], [s.samples for s in self.shards])
+        return table
 
     @property
     def totals(self) -> dict:
@@ -113,6 +122,9 @@ class Dataset:
 
 def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: bool = False) -> Dataset:
     """Open a dataset folder/prefix. Reads only manifest.json (a few KB per 1,000 shards).
+
+    The manifest is untrusted input: it is parsed with bounds and checked (format.validate) so that every shard
+    and index name stays inside the dataset; anything else raises DatasetError naming the field and value.
 
     `direct_http` reads S3 metadata over presigned URLs (see shardtrain.s3http): the loader's choice, because
     with explicit keys it skips s3fs's ~0.3 s start-up.
@@ -125,18 +137,15 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
         raise DatasetError(
             f"incomplete dataset: no manifest.json at {url}; re-run `shardtrain pack` (it resumes)"
         ) from None
-    try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise DatasetError(f"{murl}: not valid JSON ({e})") from None
+    manifest = parse_manifest(raw, murl)
     if manifest.get("format") != FORMAT:
-        raise DatasetError(f"{murl}: not a shardtrain manifest (format={manifest.get('format')!r})")
+        raise DatasetError(f"{murl}: not a shardtrain manifest (format={show(manifest.get('format'))})")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DatasetError(
-            f"{murl}: format_version {manifest.get('format_version')!r} is not supported "
+            f"{murl}: format_version {show(manifest.get('format_version'))} is not supported "
             f"(this shardtrain reads version {FORMAT_VERSION})"
         )
-    shards = [ShardInfo.from_dict(s) for s in manifest["shards"]]
+    shards = [ShardInfo(**s) for s in check_manifest(manifest, murl)]
     return Dataset(url=url, manifest=manifest, shards=shards, storage_options=storage_options,
                    direct_http=direct_http)
 

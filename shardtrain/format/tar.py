@@ -76,7 +76,8 @@ class ShardWriter:
 
     def __init__(self, fileobj: BinaryIO) -> None:
         self._out = _HashingWriter(fileobj)
-        self._tar = tarfile.TarFile(fileobj=self._out, mode="w", format=tarfile.USTAR_FORMAT, encoding="utf-8")
+        self._tar = tarfile.TarFile(fileobj=self._out,  # type: ignore[arg-type]  # write/tell is all it uses
+                                     mode="w", format=tarfile.USTAR_FORMAT, encoding="utf-8")
         self._keys: set[str] = set()
         self.closed = False
 
@@ -122,8 +123,16 @@ class ShardWriter:
 
 
 def parse_header(block: bytes) -> tuple[str, int]:
-    """(name, size) of one 512-byte ustar header; raises ValueError when it is not a valid header."""
-    ti = tarfile.TarInfo.frombuf(block, "utf-8", "strict")
+    """(name, size) of one 512-byte header of a regular member; raises ValueError when it is not one: short or
+    empty block, checksum mismatch (tarfile verifies it), undecodable name, or a link/directory/special type."""
+    if len(block) != BLOCK:
+        raise ValueError(f"header block has {len(block)} bytes, not {BLOCK}")
+    try:
+        ti = tarfile.TarInfo.frombuf(block, "utf-8", "strict")
+    except (tarfile.HeaderError, UnicodeDecodeError) as e:
+        raise ValueError(f"invalid ustar header ({type(e).__name__}: {str(e)[:80]!r})") from None
+    if not ti.isreg():
+        raise ValueError(f"member type {ti.type!r} is not a regular file")
     return ti.name, ti.size
 
 

@@ -19,7 +19,7 @@ size are recomputed from the (pure) plan and excluded (`chain` in the state).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,18 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """The batch with its tensors on `device` (Lightning's and `move_data_to_device`'s convention); keys and
+        texts stay Python lists. `non_blocking` overlaps the copy only when the waves are pinned."""
+        return replace(self, waves=self.waves.to(device, non_blocking=non_blocking),
+                       lengths=self.lengths.to(device, non_blocking=non_blocking),
+                       durations_s=self.durations_s.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":
+        """Pinned host copy (called by `DataLoader(pin_memory=True)`); needs CUDA, like `Tensor.pin_memory`."""
+        return replace(self, waves=self.waves.pin_memory(), lengths=self.lengths.pin_memory(),
+                       durations_s=self.durations_s.pin_memory())
 
 
 def pcm_to_float(waves: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,9 @@ class StreamConfig:
     """Local folder caching whole remote shards across epochs (LRU); None disables."""
     cache_max_gb: float = 50.0
     """Size cap of `cache_dir`; least recently used shards are evicted past it."""
+    check_transcripts: bool = True
+    """Hold the index's transcripts (Arrow, ~100 bytes a row) and skip a sample whose `<key>.json` text differs
+    (a flipped byte in a shard). False saves that memory; the header checksum, name and size checks remain."""
     max_error_keys: int = 1000
     """Skipped keys kept in stats/state (counts are always exact)."""
     pcm_dtype: str = "float32"

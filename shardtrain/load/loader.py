@@ -26,7 +26,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ import torch
 from shardtrain import storage
 from shardtrain.format.manifest import Dataset, open_dataset
 from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s, plan_epoch
-from shardtrain.load.reader import ChunkBatches, ChunkReader, StreamError
+from shardtrain.load.reader import CHECK_COLUMNS, ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
 from shardtrain.load.batch import Batch
 from shardtrain.load.config import StreamConfig
@@ -60,6 +60,19 @@ def epoch_plan(idx: PlanIndex, seed: int, epoch: int, world_size: int, cfg: Buck
     return plan_epoch(idx, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg, exclude=exclude)
 
 
+def _refuse_empty_plan(url: str, rows: int, too_long: int, world: World, cfg: BucketConfig) -> None:
+    """Raise StreamError at build time when no epoch can hold a batch (an empty index, or every utterance over
+    the budget): iterating would otherwise plan empty epochs forever and a trainer would never step."""
+    usable = rows - too_long
+    if usable == 0:
+        why = "its index has no rows" if rows == 0 else \
+            f"all {rows} utterances are longer than stream.bucket.max_batch_seconds={cfg.max_batch_seconds:g}"
+        raise StreamError(f"{url}: no batch can be planned: {why}; raise max_batch_seconds or use another dataset")
+    if usable < world.world_size:
+        raise StreamError(f"{url}: {usable} usable samples for {world.world_size} ranks: every rank needs at least "
+                          "one; use fewer ranks or a larger dataset")
+
+
 @dataclass(frozen=True, slots=True)
 class _Cursor:
     epoch: int
@@ -81,6 +94,8 @@ def _chunk_schedule(idx: IndexSource, seed: int, world: World, cfg: StreamConfig
     epoch, step, chain = start.epoch, start.step, start.chain
     while cfg.epochs is None or epoch < cfg.epochs:
         plan = epoch_plan(index_at(idx, epoch), seed, epoch, world.world_size, cfg.bucket, chain)
+        if plan.steps == 0 and not chain:  # a full epoch without a batch: every later one is the same
+            raise StreamError(f"epoch {epoch} has no batch to plan (every sample excluded); stopping")
         first = 0
         for chunk in plan.rank_chunks(world.rank):
             m = len(chunk.batches)
@@ -142,7 +157,8 @@ class Loader:
                  storage_options: dict | None = None):
         self.world, self.seed, self.cfg = world, seed, cfg
         self.ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
-        table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz"])
+        checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
+        table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
         rates = np.unique(table.column("sample_rate_hz").to_numpy())
         if len(rates) > 1:
             raise StreamError(f"{url} mixes sample rates {rates.tolist()}; repack with `shardtrain pack --sample-rate`")
@@ -159,6 +175,7 @@ class Loader:
             self._load_state(state)
         # the plan leaves out the same utterances every epoch (alone over budget): count them, no re-planning
         self.too_long_per_epoch = int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum())
+        _refuse_empty_plan(url, len(self.idx), self.too_long_per_epoch, world, cfg.bucket)
         if self.too_long_per_epoch:
             log.warning("%d utterances are longer than max_batch_seconds=%g and are left out of every epoch",
                         self.too_long_per_epoch, cfg.bucket.max_batch_seconds)
@@ -193,6 +210,18 @@ class Loader:
                 "chain": [list(x) for x in c.chain], "counters": dict(self.counters),
                 "skipped_keys": list(self.skipped_keys)}
 
+    def load_state_dict(self, state: dict) -> None:
+        """torchdata/`Stateful` convention: the next iteration starts at the batch after `state`'s (same checks as
+        `build_loader(..., state=state)`). Call it between iterations, not while one is running."""
+        self.counters = {k: type(v)(0) for k, v in self.counters.items()}
+        self.skipped_keys, self.cursor = [], _Cursor(0, 0)
+        self._load_state(state)
+
+    def batches(self) -> Iterator[Batch]:
+        """Plain iterator of batches; `state_dict()` after each one is the state that resumes at the next."""
+        for batch, _ in self:
+            yield batch
+
     def stats(self) -> dict:
         return {**self.counters, "skipped_keys": list(self.skipped_keys)}
 
@@ -225,7 +254,7 @@ class Loader:
                 seen.update(dict.fromkeys(np.unique(self.idx.shard[b]).tolist()))
         return list(seen)[:limit]
 
-    def __iter__(self) -> Iterator[tuple[Batch, dict]]:
+    def __iter__(self) -> Generator[tuple[Batch, dict], None, None]:
         pin = torch.cuda.is_available()
         # without worker processes the DataLoader only adds per-item overhead (~4% of a 2-core epoch, measured)
         items = self.dataloader() if self.cfg.num_workers else self._chunk_stream()

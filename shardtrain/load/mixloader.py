@@ -29,7 +29,7 @@ from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import Loader, _cfg_fingerprint, _chunk_schedule, _Cursor, epoch_plan
 from shardtrain.load.mixture import gather_index, select_epoch
 from shardtrain.load.plan import PLAN_COLUMNS, PlanIndex, cost_s
-from shardtrain.load.reader import StreamError
+from shardtrain.load.reader import CHECK_COLUMNS, StreamError
 from shardtrain.world import World
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ class MixtureLoader(Loader):
         parts, indexes, rates = [], [], set()
         for url, _ in self.sources:
             ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
-            table = ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz"])
+            checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
+            table = ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
             rates.update(np.unique(table.column("sample_rate_hz").to_numpy()).tolist())
             parts.append(ds)
             indexes.append(PlanIndex.from_table(table))

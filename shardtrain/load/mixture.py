@@ -102,13 +102,21 @@ def gather_index(indexes: list[PlanIndex], mix: MixEpoch, shard_base: np.ndarray
     if shard_base is None:
         counts = [int(ix.shard.max()) + 1 if len(ix) else 0 for ix in indexes]
         shard_base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    cols = {}
+    cols: dict = {}
+    first = np.concatenate([[0], np.cumsum([len(ix) for ix in indexes])[:-1]]).astype(np.int64)
     for name in (f.name for f in dataclasses.fields(PlanIndex)):
         parts = [getattr(indexes[i], name) for i in range(len(indexes))]
-        out = np.empty(len(mix.row), parts[0].dtype)
-        for i, part in enumerate(parts):
-            m = mix.source == i
-            out[m] = part[mix.row[m]]
-        cols[name] = out
+        if any(p is None for p in parts):  # optional Arrow columns (key, text): only when every dataset has them
+            cols[name] = None
+        elif not isinstance(parts[0], np.ndarray):
+            import pyarrow as pa
+
+            cols[name] = pa.concat_arrays(parts).take(pa.array(first[mix.source] + mix.row))
+        else:
+            out = np.empty(len(mix.row), parts[0].dtype)
+            for i, part in enumerate(parts):
+                m = mix.source == i
+                out[m] = part[mix.row[m]]
+            cols[name] = out
     cols["shard"] = (cols["shard"].astype(np.int64) + shard_base[mix.source]).astype(np.int32)
     return PlanIndex(**cols)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.random  # noqa: F401 - numpy 2 imports it lazily on first use, inside the first plan
@@ -102,16 +103,22 @@ class PlanIndex:
     duration_s: np.ndarray  # float64
     num_samples: np.ndarray  # int64, so a reader can allocate a batch before decoding into it
     channels: np.ndarray  # int16
+    key: Any = None
+    """pyarrow StringArray of sample keys when the table had them (the reader checks tar member names against
+    them and reports them; ~25 bytes a row in Arrow buffers, shared with forked workers); None otherwise."""
+    text: Any = None
+    """pyarrow StringArray of transcripts when read (the reader checks each `<key>.json` text against it)."""
 
     @classmethod
     def from_table(cls, table) -> "PlanIndex":
         col = lambda n, t: np.asarray(table.column(n).to_numpy(zero_copy_only=False), dtype=t)  # noqa: E731
+        opt = lambda n: table.column(n).combine_chunks() if n in table.column_names else None  # noqa: E731
         return cls(
             shard=col("shard", np.int32), offset=col("offset", np.int64), size=col("size", np.int64),
             audio_offset=col("audio_offset", np.int64), audio_size=col("audio_size", np.int64),
             json_offset=col("json_offset", np.int64), json_size=col("json_size", np.int64),
             duration_s=col("duration_s", np.float64), num_samples=col("num_samples", np.int64),
-            channels=col("channels", np.int16),
+            channels=col("channels", np.int16), key=opt("key"), text=opt("text"),
         )
 
     def __len__(self) -> int:

@@ -25,8 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import os
 import sys
 import time
+from typing import Any
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -39,6 +41,8 @@ from shardtrain.format import manifest as index
 from shardtrain.format.codecs import CODECS, ENCODE_RATIO
 from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, error_reason, marker_name, write_shard
 from shardtrain.pack.keys import assign_keys
+from shardtrain.pack.lifeline import die_with_parent
+from shardtrain.storage.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,9 @@ class PackConfig:
     """Dataset folder or prefix (local path, file://, s3://bucket/prefix)."""
     source_format: str = "auto"
     """Input format (`--source-format`): auto, or one of sources.SOURCE_FORMATS."""
-    storage_options: dict | None = None
+    text_column: str | None = None
+    """Transcript column of a Hugging Face dataset input (`--text-column`); None tries text, sentence, ..."""
+    storage_options: dict | None = field(default=None, repr=False)
     """fsspec options for INPUT and OUTPUT (`--storage-option k=v`), e.g. endpoint_url for S3."""
     codec: str = "flac"
     """Stored audio codec (`--codec`): flac, wav, opus or mp3."""
@@ -119,6 +125,7 @@ class PackConfig:
             "min_duration_s": self.min_duration_s,
             "max_duration_s": self.max_duration_s,
             "source_format": self.source_format,
+            **({"text_column": self.text_column} if self.text_column else {}),
         }
 
 
@@ -189,7 +196,7 @@ def _collect(cfg: PackConfig, rejects: _Rejects) -> list:
     from shardtrain.pack.sources import Item, iter_items
 
     items, seen = [], set()
-    for x in iter_items(str(cfg.input), cfg.source_format, cfg.storage_options):
+    for x in iter_items(str(cfg.input), cfg.source_format, cfg.storage_options, text_column=cfg.text_column):
         if not isinstance(x, Item):
             code, _, detail = str(x.reason).partition(": ")
             rejects.add(id=str(x.id), path=str(x.path), reason=code, detail=detail)
@@ -307,17 +314,29 @@ def fingerprint(cfg: PackConfig, plan: list[list[PlannedSample]]) -> str:
     return h.hexdigest()
 
 
+def _fingerprint_in(url: str, so: dict | None) -> str | None:
+    """The `fingerprint` recorded in a manifest or plan.json; "unreadable" when it is not a JSON object with one
+    (a damaged or hostile file counts as a different dataset: refused unless --overwrite)."""
+    from shardtrain.format.validate import DatasetError, parse_manifest
+
+    try:
+        found = parse_manifest(storage.read_bytes(url, so), url).get("fingerprint")
+    except DatasetError:
+        return "unreadable"
+    return found if isinstance(found, str) else "unreadable"
+
+
 def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
     """'complete' | 'resume' | 'fresh'; raises PackError for a different dataset unless cfg.overwrite."""
     so = cfg.storage_options
     names = set(storage.ls_names(out, so))
     found = None
     if index.MANIFEST in names:
-        found = json.loads(storage.read_bytes(storage.join(out, index.MANIFEST), so)).get("fingerprint")
+        found = _fingerprint_in(storage.join(out, index.MANIFEST), so)
         if found == fp:
             return "complete"
     elif WORK in names and "plan.json" in storage.ls_names(storage.join(out, WORK), so):
-        found = json.loads(storage.read_bytes(storage.join(out, WORK + "/plan.json"), so)).get("fingerprint")
+        found = _fingerprint_in(storage.join(out, WORK + "/plan.json"), so)
         if found == fp:
             return "resume"
     ours = {n for n in names if n.startswith("shard-") or n in (index.MANIFEST, index.INDEX, REJECTS)}
@@ -335,7 +354,25 @@ def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
 
 
 def pack(cfg: PackConfig) -> PackResult:
-    """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs."""
+    """Run the whole pipeline (see module docstring). Raises PackError for --strict failures and refused OUTPUTs.
+
+    The whole run holds OUTPUT's lock (storage.lock: `OUTPUT/_pack.lock`, exclusive locally and on S3), so a
+    second pack into the same OUTPUT is refused with the holder's host, pid and start time instead of racing
+    the first past the different-dataset guard and interleaving shards.
+    """
+    from shardtrain.storage.lock import LockHeld, acquire_lock
+
+    out = str(cfg.output).rstrip("/")
+    storage.makedirs(out, cfg.storage_options)
+    try:
+        lock = acquire_lock(out, cfg.storage_options)
+    except LockHeld as e:
+        raise PackError(str(e)) from None
+    with lock:
+        return _pack_locked(cfg)
+
+
+def _pack_locked(cfg: PackConfig) -> PackResult:
     from shardtrain.pack.transcode import AudioTarget
 
     t0 = time.perf_counter()
@@ -377,13 +414,13 @@ def pack(cfg: PackConfig) -> PackResult:
     storage.atomic_write_bytes(storage.join(out, REJECTS),
                                b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in all_rejects), so)
     shards = [index.ShardInfo.from_dict(m["info"]) for m in markers]
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": index.FORMAT,
         "format_version": index.FORMAT_VERSION,
         "tool_version": __version__,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fp,
-        "options": {"input": str(cfg.input), **cfg.dataset_options(), "decode_check": cfg.decode_check},
+        "options": {"input": redact_url(str(cfg.input)), **cfg.dataset_options(), "decode_check": cfg.decode_check},
         "index": index.INDEX,
         "rejects": REJECTS,
         "totals": {"samples": len(rows), "seconds": sum(s.seconds for s in shards),
@@ -434,9 +471,11 @@ def _run_tasks(cfg: PackConfig, tasks: list[ShardTask]) -> dict[int, dict]:
                 bar.update(len(t.samples))
             return results
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode"])
+        ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode",
+                                    "shardtrain.pack.lifeline"])
         try:
-            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx) as ex:
+            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(tasks)), mp_context=ctx,
+                                     initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
                 # Bounded submission: at most 2 tasks per worker in flight, so a huge plan is not pickled up front.
                 pending, it = {}, iter(tasks)
                 for t in it:

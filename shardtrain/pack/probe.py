@@ -24,12 +24,14 @@ from __future__ import annotations
 import logging
 import io
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import soundfile as sf
-from shardtrain.format.audio import AudioError, AudioInfo, SF_ERRORS, codec_of
+from shardtrain import storage
+from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo, codec_of
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,36 @@ _PROBE_BLOCK_BYTES = 1 << 18  # fsspec read-ahead for header probes: one small r
 
 
 # ---- opening --------------------------------------------------------------------------------------------------
+_BYTE_RANGE = re.compile(r"^(?P<url>.+)#bytes=(?P<start>\d+)-(?P<end>\d+)$")
+"""`<path or URL>#bytes=START-END`: audio stored as bytes [START, END) of a larger file (an Arrow file of a Hugging
+Face dataset, a Kaldi ark), read with one ranged read; see pack.corpora."""
+
+
+def byte_range_ref(url: str, start: int, end: int) -> str:
+    return f"{url}#bytes={start}-{end}"
+
+
+def _read_byte_range(path: str, storage_options: dict | None) -> bytes | None:
+    m = _BYTE_RANGE.match(path)
+    if m is None:
+        return None
+    url, start, end = m["url"], int(m["start"]), int(m["end"])
+    local = _local_path(url)
+    try:
+        if local is not None:
+            with open(local, "rb") as f:
+                f.seek(start)
+                data = f.read(end - start)
+        else:
+            data = storage.read_range(url, start, end, storage_options)
+    except FileNotFoundError as e:
+        raise AudioError("missing_file", f"{url} does not exist") from e
+    if len(data) != end - start or not data:
+        raise AudioError("truncated_audio" if data else "empty_audio",
+                         f"{path}: read {len(data)} of {end - start} bytes")
+    return data
+
+
 def _local_path(path: str) -> str | None:
     if path.startswith("file://"):
         return path[len("file://"):]
@@ -50,7 +82,12 @@ def _local_path(path: str) -> str | None:
 
 @contextmanager
 def open_audio(path: str, storage_options: dict | None, block_size: int | None = None) -> Iterator[Any]:
-    """A local path (soundfile opens it itself, fastest) or an open fsspec file object."""
+    """A local path (soundfile opens it itself, fastest), an open fsspec file object, or the bytes of a
+    `#bytes=START-END` reference in a BytesIO."""
+    ranged = _read_byte_range(path, storage_options)
+    if ranged is not None:
+        yield io.BytesIO(ranged)
+        return
     local = _local_path(path)
     if local is not None:
         if not os.path.isfile(local):
@@ -59,9 +96,7 @@ def open_audio(path: str, storage_options: dict | None, block_size: int | None =
             raise AudioError("empty_audio", f"{path} is 0 bytes")
         yield local
         return
-    import fsspec  # noqa: PLC0415
-
-    fs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    fs, p = storage.fs_and_path(path, storage_options)
     try:
         f = fs.open(p, "rb", **({"block_size": block_size} if block_size else {}))
     except FileNotFoundError as e:
@@ -85,7 +120,7 @@ def probe(path: str, storage_options: dict | None = None) -> AudioInfo:
     """Read headers only (soundfile.info), no decode; MP3 files are additionally frame-walked (module docstring)."""
     with open_audio(path, storage_options, block_size=_PROBE_BLOCK_BYTES) as src:
         data = None
-        if _looks_mp3(path):
+        if _looks_mp3(path) or isinstance(src, io.BytesIO):  # a byte range is in memory already
             data = src.read() if not isinstance(src, str) else None
         try:
             info = sf.info(io.BytesIO(data) if data is not None else src)

@@ -15,9 +15,16 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from shardtrain import faults
 from shardtrain.format.codecs import CODECS
 from shardtrain.format.tar import ShardWriter
+
+if TYPE_CHECKING:  # the worker imports transcoding lazily (forkserver preload)
+    from shardtrain.format.audio import AudioInfo
+    from shardtrain.pack.sources import Item
+    from shardtrain.pack.transcode import AudioTarget
 
 
 # ---- one shard = one task (run in a worker process, or by a cluster engine) ------------------------------------
@@ -51,10 +58,9 @@ class PlannedSample:
     """One accepted item with its probe result, in the global plan."""
 
     key: str
-    item: object
-    """sources.Item"""
-    info: object
-    """audio.AudioInfo of the source file (headers)."""
+    item: Item
+    info: AudioInfo
+    """Of the source file (headers)."""
     duration_s: float
     """Duration of the utterance (the segment, for a cut), the sort key."""
     est_bytes: int
@@ -75,10 +81,9 @@ class ShardTask:
     shard: int
     output: str
     storage_options: dict | None
-    samples: list
+    samples: list[PlannedSample]
     """[PlannedSample] in plan order."""
-    target: object
-    """audio.AudioTarget"""
+    target: AudioTarget
     fingerprint: str
     strict: bool = False
 

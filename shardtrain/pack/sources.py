@@ -1,6 +1,7 @@
 """Input formats -> `Item`s: the first stage of `pack`. Reads listings and manifests only, never audio samples.
 
-    input (folder | .tsv/.csv/.jsonl[.gz] manifest | LibriSpeech tree | Lhotse CutSet .jsonl[.gz], any fsspec URL)
+    input (folder | .tsv/.csv/.jsonl[.gz] manifest | LibriSpeech tree | Lhotse CutSet .jsonl[.gz], any fsspec URL;
+           Kaldi data dir | Hugging Face dataset | Common Voice release: see corpora.py)
       -> iter_items(...) -> Item(id, audio, text, start_s, duration_s, speaker, language, extra) | Reject(id, path, reason)
 
 Bad inputs become `Reject`s (reason = snake_case code + ": details") rather than exceptions, so one broken line
@@ -21,13 +22,16 @@ import logging
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 
+from shardtrain import storage
+
 log = logging.getLogger(__name__)
 
-SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse")
+SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse", "kaldi", "hf", "commonvoice")
+"""kaldi, hf and commonvoice are read by pack/corpora.py."""
 AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio files a "dir" source picks up (case-insensitive); anything else in the tree is ignored."""
 
@@ -77,7 +81,7 @@ class Reject:
 
 # ---- filesystem helpers ---------------------------------------------------------------------------------------
 def _fs(url: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs, path = storage.fs_and_path(url, storage_options)  # one way to open a URL, with the S3 tuning
     return fs, path.rstrip("/") or path
 
 
@@ -124,16 +128,25 @@ def _is_jsonl(path: str) -> bool:
 def detect_format(input: str, storage_options: dict | None = None) -> str:
     """Guess the source format of `input` (one of SOURCE_FORMATS except "auto").
 
-    Rules, in order: `.tsv` / `.csv` files; `.jsonl[.gz]` files are "lhotse" when the first record has a
+    Rules, in order: a Kaldi data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, dataset_info.json)
+    or a Common Voice release (clips/ + TSVs; a TSV with path, sentence and client_id beside clips/); `.tsv` / `.csv`
+    files; `.jsonl[.gz]` files are "lhotse" when the first record has a
     "supervisions" or "recording" key, else "jsonl"; a folder with `<a>/<b>/*.trans.txt` is "librispeech"; a folder
     holding at least one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
     for "dir") a walk that stops at the first audio file.
     """
+    from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
+
     fs, path = _fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
-                  f"or a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts")
+                  f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts, a Kaldi "
+                  "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet) or a Common Voice release "
+                  "(clips/ + validated.tsv)")
     if not fs.exists(path):
         raise ValueError(f"input {input!r} does not exist; expected {looked_for}")
+    other = corpora.detect(fs, path)  # Kaldi data dir, Hugging Face dataset, Common Voice release
+    if other is not None:
+        return other
     if fs.isfile(path):
         low = path.lower()
         if low.endswith(".tsv"):
@@ -153,9 +166,10 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     raise ValueError(f"input folder {input!r} holds no audio files; expected {looked_for}")
 
 
-def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None
-               ) -> Iterator[Item | Reject]:
-    """Yield one Item (or Reject) per utterance of `input`, in a deterministic order."""
+def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None, *,
+               text_column: str | None = None) -> Iterator[Item | Reject]:
+    """Yield one Item (or Reject) per utterance of `input`, in a deterministic order. `text_column` names the
+    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present)."""
     if source_format not in SOURCE_FORMATS:
         raise ValueError(f"source_format must be one of {SOURCE_FORMATS}, got {source_format!r}")
     if source_format == "auto":
@@ -172,6 +186,14 @@ def iter_items(input: str, source_format: str = "auto", storage_options: dict | 
         return _iter_jsonl(fs, path)
     if source_format == "librispeech":
         return _iter_librispeech(fs, path)
+    if source_format in ("kaldi", "hf", "commonvoice"):
+        from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
+
+        if source_format == "kaldi":
+            return corpora.iter_kaldi(fs, path)
+        if source_format == "commonvoice":
+            return corpora.iter_commonvoice(fs, path)
+        return corpora.iter_hf(fs, path, text_column=text_column)
     return _iter_lhotse(fs, path)
 
 
@@ -181,6 +203,8 @@ def _read_transcript(fs: fsspec.AbstractFileSystem, txt: str, item_id: str, audi
         raw = fs.cat_file(txt)
     except FileNotFoundError:
         return Reject(item_id, audio, f"missing_transcript: no {posixpath.basename(txt)}")
+    except OSError as e:  # permissions, I/O errors: this utterance is rejected, the pack goes on
+        return Reject(item_id, audio, f"unreadable_transcript: {posixpath.basename(txt)}: {type(e).__name__}: {e}")
     try:
         return raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError as e:
@@ -272,7 +296,7 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
     base = posixpath.dirname(path)
-    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with _open_text(fs, path) as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         header = next(reader, None)
@@ -338,6 +362,11 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item
             lines = fs.cat_file(trans).decode("utf-8").splitlines()
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), _ref(fs, trans), f"bad_transcript_encoding: {e}")
+            continue
+        except OSError as e:  # unreadable: every utterance of the chapter is rejected with the reason
+            for utt in sorted(audio):
+                yield Reject(utt, _ref(fs, audio[utt]), f"unreadable_transcript: {posixpath.basename(trans)}: "
+                                                        f"{type(e).__name__}: {e}")
             continue
         seen: set[str] = set()
         for line in lines:

@@ -16,7 +16,6 @@ import io
 import json
 import logging
 import sys
-import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -26,6 +25,7 @@ from tqdm import tqdm
 from shardtrain import storage
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.tar import BLOCK, iter_tar_members, parse_header
+from shardtrain.format.validate import show
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,12 @@ def _mix(values) -> dict:
     return dict(sorted(out.items()))
 
 
+def _plain(v: object) -> object:
+    """A manifest string as printable text: short printable strings as they are, anything else escaped and cut
+    (a hostile manifest must not put terminal control sequences on the screen of whoever inspects it)."""
+    return v if v is None or (isinstance(v, str) and v.isprintable() and len(v) <= 64) else show(v, 64)
+
+
 def inspect(ds: Dataset) -> dict:
     """Everything `shardtrain inspect` shows, as a JSON-able dict."""
     m = ds.manifest
@@ -73,8 +79,8 @@ def inspect(ds: Dataset) -> dict:
     return {
         "url": ds.url,
         "format_version": m["format_version"],
-        "tool_version": m.get("tool_version"),
-        "created_utc": m.get("created_utc"),
+        "tool_version": _plain(m.get("tool_version")),
+        "created_utc": _plain(m.get("created_utc")),
         "options": m.get("options", {}),
         "totals": totals,
         "index_rows": t.num_rows,
@@ -158,45 +164,24 @@ def _verify_shard(ds: Dataset, i: int, rows: list[dict], pool: ThreadPoolExecuto
     try:
         for mname, _, _ in iter_tar_members(io.BytesIO(data)):
             members.append(mname)
-    except (tarfile.TarError, EOFError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - tarfile raises many types on hostile bytes; all are a tar_error
         tar_ok = False
-        probs.append(Problem(name, None, "tar_error", f"after {len(members)} members: {e}"))
+        probs.append(Problem(name, None, "tar_error", f"after {len(members)} members: {show(str(e), 200)}"))
     if members != (expected if tar_ok else expected[: len(members)]):
-        extra = sorted(set(members) - set(expected))[:3]
+        extra = [show(m) for m in sorted(set(members) - set(expected))[:3]]
         probs.append(Problem(name, None, "members_mismatch",
                              f"{len(members)} members, index expects {len(expected)}; unexpected {extra}"))
 
-    # Per sample: headers at the indexed offsets, json, full decode.
+    # Per sample: headers at the indexed offsets, json, full decode. Nothing a row holds may crash verify.
     checks = []
     for r in rows:
-        key = r["key"]
-        end = r["json_offset"] + r["json_size"]
-        if end > len(data) or r["audio_offset"] < BLOCK:
-            probs.append(Problem(name, key, "truncated", f"sample ends at byte {end}, shard has {len(data)}"))
-            continue
-        bad = False
-        for off, size, member in ((r["audio_offset"], r["audio_size"], f"{key}.{r['codec']}"),
-                                  (r["json_offset"], r["json_size"], f"{key}.json")):
-            try:
-                hname, hsize = parse_header(data[off - BLOCK: off])
-            except (tarfile.TarError, ValueError) as e:
-                probs.append(Problem(name, key, "bad_header", f"at byte {off - BLOCK}: {e}"))
-                bad = True
-                continue
-            if hname != member or hsize != size:
-                probs.append(Problem(name, key, "bad_header",
-                                     f"at byte {off - BLOCK}: {hname!r} ({hsize} B), index says {member!r} ({size} B)"))
-                bad = True
-        if bad:
-            continue
         try:
-            meta = json.loads(data[r["json_offset"]:end].decode("utf-8"))
-            if meta.get("num_samples") != r["num_samples"]:
-                raise ValueError(f"num_samples {meta.get('num_samples')} != index {r['num_samples']}")
-        except (ValueError, UnicodeDecodeError) as e:
-            probs.append(Problem(name, key, "bad_json", str(e)))
-        audio = data[r["audio_offset"]: r["audio_offset"] + r["audio_size"]]
-        checks.append((key, pool.submit(_decode_check, key, audio, r["num_samples"])))
+            found, audio = _check_sample(name, data, r)
+        except Exception as e:  # noqa: BLE001 - hostile input is a problem to report, never a crash
+            found, audio = [Problem(name, r["key"], "check_failed", show(f"{type(e).__name__}: {e}", 200))], None
+        probs += found
+        if audio is not None:
+            checks.append((r["key"], pool.submit(_decode_check, r["key"], audio, r["num_samples"])))
     for key, fut in checks:
         res = fut.result()
         if res is not None:
@@ -204,14 +189,50 @@ def _verify_shard(ds: Dataset, i: int, rows: list[dict], pool: ThreadPoolExecuto
     return probs
 
 
+def _check_sample(name: str, data: bytes, r: dict) -> tuple[list[Problem], bytes | None]:
+    """Problems of one index row against the shard bytes, and its audio bytes to decode (None: don't)."""
+    key, probs = r["key"], []
+    end = r["json_offset"] + r["json_size"]
+    if end > len(data) or r["audio_offset"] < BLOCK or r["json_offset"] < BLOCK:
+        return [Problem(name, key, "truncated", f"sample ends at byte {end}, shard has {len(data)}")], None
+    bad = False
+    for off, size, member in ((r["audio_offset"], r["audio_size"], f"{key}.{r['codec']}"),
+                              (r["json_offset"], r["json_size"], f"{key}.json")):
+        try:
+            hname, hsize = parse_header(data[off - BLOCK: off])
+        except ValueError as e:
+            probs.append(Problem(name, key, "bad_header", f"at byte {off - BLOCK}: {e}"))
+            bad = True
+            continue
+        if hname != member or hsize != size:
+            probs.append(Problem(name, key, "bad_header",
+                                 f"at byte {off - BLOCK}: {show(hname)} ({hsize} B), index says {member!r} ({size} B)"))
+            bad = True
+    if bad:
+        return probs, None
+    try:
+        meta = json.loads(data[r["json_offset"]:end].decode("utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+        if meta.get("num_samples") != r["num_samples"]:
+            raise ValueError(f"num_samples {show(meta.get('num_samples'))} != index {r['num_samples']}")
+        if "text" in r and meta.get("text") != r["text"]:
+            raise ValueError("text differs from the index's")
+    except RecursionError:
+        probs.append(Problem(name, key, "bad_json", "nested too deeply"))
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
+        probs.append(Problem(name, key, "bad_json", show(str(e), 200)))
+    return probs, data[r["audio_offset"]: r["audio_offset"] + r["audio_size"]]
+
+
 def verify(ds: Dataset, progress: bool = True, decode_threads: int = 2) -> list[Problem]:
     """Re-read and check every shard against manifest and index; returns all problems found (empty = healthy)."""
     cols = ["key", "shard", "offset", "size", "audio_offset", "audio_size", "json_offset", "json_size", "codec",
-            "num_samples"]
+            "num_samples", "text"]
     try:
-        rows_all = ds.read_index(cols).to_pylist()
+        rows_all = ds.read_index().select(cols).to_pylist()  # every column read, so every column is checked
     except Exception as e:  # noqa: BLE001 - a broken index is reported, not raised
-        return [Problem("index.parquet", None, "index_unreadable", f"{type(e).__name__}: {e}")]
+        return [Problem("index.parquet", None, "index_unreadable", show(f"{type(e).__name__}: {e}", 400))]
     by_shard: dict[int, list[dict]] = {}
     for r in rows_all:
         by_shard.setdefault(r["shard"], []).append(r)
@@ -226,7 +247,10 @@ def verify(ds: Dataset, progress: bool = True, decode_threads: int = 2) -> list[
                disable=not (progress and sys.stderr.isatty()))
     with ThreadPoolExecutor(decode_threads) as pool, bar:
         for i in range(len(ds.shards)):
-            found = _verify_shard(ds, i, by_shard.get(i, []), pool)
+            try:
+                found = _verify_shard(ds, i, by_shard.get(i, []), pool)
+            except Exception as e:  # noqa: BLE001 - reported, so one hostile shard cannot stop the others' checks
+                found = [Problem(ds.shards[i].name, None, "check_failed", show(f"{type(e).__name__}: {e}", 200))]
             for p in found:
                 log.warning("verify: %s", p)
             problems += found

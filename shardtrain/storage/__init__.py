@@ -3,6 +3,8 @@
     fs.py       fsspec access (path, file://, s3://): exists/ls/read/atomic write, ranged reads with retry
     s3http.py   direct S3 reads over presigned URLs and keep-alive http.client connections (the loader's path)
     cache.py    whole-shard LRU cache on local disk for remote datasets
+    lock.py     an exclusive lock object (OUTPUT/_pack.lock) that works on local paths and S3
+    redact.py   secret-looking storage options and credentials in log lines, replaced before they are shown
 
 Imports nothing from the rest of shardtrain. `from shardtrain import storage; storage.read_range(...)` is the API.
 """

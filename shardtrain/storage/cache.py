@@ -5,10 +5,21 @@ shard's sha256 prefix and name, written to a temp name and renamed, and evicted 
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import threading
 
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
+
+def cache_file_name(name: str, sha256: str) -> str:
+    """`<sha256[:16]>-<name>` when both are plain (hex digits; a file name without `/` or `..`), otherwise a
+    digest of both: the name comes from a (possibly hostile) manifest and must never leave the cache folder."""
+    if _HEX16.match(sha256[:16]) and _SAFE_NAME.match(name) and ".." not in name and name.endswith(".tar"):
+        return f"{sha256[:16]}-{name}"
+    return hashlib.sha256(f"{sha256}\0{name}".encode("utf-8", "replace")).hexdigest()[:32] + ".tar"
 
 
 class ShardCache:
@@ -21,7 +32,7 @@ class ShardCache:
 
     def path(self, name: str, sha256: str, size: int, read_whole) -> str:
         """Local path of shard `name` (fetched with `read_whole()` unless a copy of the right size is cached)."""
-        local = os.path.join(self.root, f"{sha256[:16]}-{name}")
+        local = os.path.join(self.root, cache_file_name(name, sha256))
         if os.path.exists(local) and os.path.getsize(local) == size:
             os.utime(local)
             return local

@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ PRESIGN_S = 3600
 SUB_PIECE = 1 << 20
 """Largest piece handed over at once (smaller when the socket has less: nothing received waits for more)."""
 
-FsFactory = Callable[[], object]
+FsFactory = Callable[[], Any]
 """Returns an s3fs filesystem (only called when a URL must be signed by s3fs)."""
 
 _signed: dict[tuple[str, str], tuple[str, float]] = {}
@@ -146,10 +146,10 @@ def _connection(parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
     conn = pool.get(key)
     if conn is None:
         if parts.scheme == "https":
-            conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=HTTP_TIMEOUT_S,
+            conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=HTTP_TIMEOUT_S,
                                                context=ssl.create_default_context())
         else:
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=HTTP_TIMEOUT_S)
+            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=HTTP_TIMEOUT_S)
         pool[key] = conn
     return conn
 

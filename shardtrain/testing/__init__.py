@@ -4,5 +4,4 @@
     speech.py    real speech from espeak-ng + sox with fortune sentences
     s3server.py  LocalS3: SeaweedFS on loopback (and `python -m shardtrain.testing.s3server` for scripts)
     proxy.py     DropProxy: a TCP proxy that cuts connections, to inject network faults
-    faults.py?   (see shardtrain/faults.py: the one fault seam the product exposes)
 """

@@ -99,10 +99,10 @@ def pseudo_sentence(rng: np.random.Generator) -> str:
     """A plain English sentence from built-in templates, normalised like LibriSpeech."""
     template = _TEMPLATES[int(rng.integers(len(_TEMPLATES)))]
     text = re.sub(r"\{(\w+)\}", lambda m: str(rng.choice(_WORDS[m.group(1)])), template)
-    return normalize_text(text)
+    return librispeech_text(text)
 
 
-def normalize_text(text: str) -> str:
+def librispeech_text(text: str) -> str:
     """LibriSpeech-style transcript: UPPERCASE letters, in-word apostrophes and single spaces only."""
     text = re.sub(r"[^A-Z']+", " ", text.upper())
     words = (w.strip("'") for w in text.split())

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class LocalS3:
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._log_path = Path(log_path) if log_path is not None else None
         self._proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._log_file: IO[bytes] | None = None
         self.port = 0
         self.endpoint_url = ""
         self.start_time_s = 0.0
@@ -155,6 +156,7 @@ class LocalS3:
             f"-filer.port={filer}", f"-admin.port={admin}",
         ]
         env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
+        assert self._log_path is not None
         self._log_file = open(self._log_path, "ab")
         t0 = time.perf_counter()
         self._proc = subprocess.Popen(

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 from shardtrain.testing.corpus import _sub_seed, pseudo_sentence, write_manifests
-from shardtrain.testing.corpus import normalize_text
+from shardtrain.testing.corpus import librispeech_text
 
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def load_fortune_sentences(max_words: int = 18) -> list[str]:
             body = fortune.split("--")[0]
             if re.search(r"[^A-Za-z ,.;:!?'\"\n-]", body) or re.search(r"\n\s", body):
                 continue  # digits, symbols, code, verse indentation: not plain spoken text
-            text = normalize_text(body)
+            text = librispeech_text(body)
             if 3 <= len(text.split()) <= max_words:
                 out.add(text)
     return sorted(out)
@@ -116,7 +116,7 @@ def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: li
     plan = []
     for i in range(n):
         k, j = i % n_speakers, i // n_speakers
-        sid, voice, speed, pitch, chapters = speakers[k]
+        spk, voice, speed, pitch, chapters = speakers[k]
         chapter = chapters[min(1, 2 * j // max(1, per_speaker[k]))]  # first half of a speaker's utts: chapter 0
         u = counters[(k, chapter)] = counters.get((k, chapter), -1) + 1
         urng = np.random.default_rng(_sub_seed(seed, i))
@@ -124,10 +124,10 @@ def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: li
             text = sentences[int(urng.integers(len(sentences)))]
         else:
             text = pseudo_sentence(urng)
-        utt_id = f"{sid}-{chapter}-{u:04d}"
-        rel = f"{sid}/{chapter}/{utt_id}.flac" if layout == "librispeech" else f"{utt_id}.flac"
+        utt_id = f"{spk}-{chapter}-{u:04d}"
+        rel = f"{spk}/{chapter}/{utt_id}.flac" if layout == "librispeech" else f"{utt_id}.flac"
         speed = int(np.clip(speed + urng.integers(-10, 11), 130, 190))
-        plan.append(_Utt(rel_path=rel, text=text, speaker=sid, voice=voice, speed_wpm=speed, pitch=pitch))
+        plan.append(_Utt(rel_path=rel, text=text, speaker=spk, voice=voice, speed_wpm=speed, pitch=pitch))
     return plan
 
 
@@ -151,6 +151,22 @@ def _speak(exe: str, utt: _Utt, root: Path, sample_rate_hz: int) -> float:
     out.parent.mkdir(parents=True, exist_ok=True)
     sf.write(out, np.clip(wave, -1.0, 1.0), sample_rate_hz, format="FLAC", subtype="PCM_16")
     return len(wave) / sample_rate_hz
+
+
+def _write_transcripts(root: Path, plan: list[_Utt], layout: str) -> None:
+    """LibriSpeech `<spk>-<chapter>.trans.txt` files or one `.txt` per utterance, plus manifest.tsv/.jsonl."""
+    if layout == "librispeech":
+        chapters: dict[Path, list[str]] = {}
+        for u in plan:
+            p = root / u.rel_path
+            chapters.setdefault(p.parent / f"{p.parent.parent.name}-{p.parent.name}.trans.txt", []).append(
+                f"{p.stem} {u.text}")
+        for trans, lines in chapters.items():
+            trans.write_text("\n".join(sorted(lines)) + "\n", encoding="utf-8")
+    else:
+        for u in plan:
+            (root / u.rel_path).with_suffix(".txt").write_text(u.text + "\n", encoding="utf-8")
+    write_manifests(root, [(u.rel_path, u.text, u.speaker) for u in plan])
 
 
 def synth_speech_corpus(
@@ -200,18 +216,7 @@ def synth_speech_corpus(
             bar.update(1)
     bar.close()
 
-    if layout == "librispeech":
-        chapters: dict[Path, list[str]] = {}
-        for u in plan:
-            p = root / u.rel_path
-            chapters.setdefault(p.parent / f"{p.parent.parent.name}-{p.parent.name}.trans.txt", []).append(
-                f"{p.stem} {u.text}")
-        for trans, lines in chapters.items():
-            trans.write_text("\n".join(sorted(lines)) + "\n", encoding="utf-8")
-    else:
-        for u in plan:
-            (root / u.rel_path).with_suffix(".txt").write_text(u.text + "\n", encoding="utf-8")
-    write_manifests(root, [(u.rel_path, u.text, u.speaker) for u in plan])
+    _write_transcripts(root, plan, layout)
     elapsed = time.perf_counter() - t0
     log.info("synth_speech_corpus: %d utterances, %.2f h of audio, %d speakers in %.1f s (%.0f utt/s) -> %s",
              n, total_s / 3600, len({u.speaker for u in plan}), elapsed, n / elapsed, root)

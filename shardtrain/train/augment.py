@@ -472,13 +472,13 @@ class DeviceAugment(torch.nn.Module):
         if self.mel.spectrogram.window.device != waves.device:
             self.to(waves.device)
         augment = train and generator is not None
-        if augment:
+        if augment and generator is not None:
             waves, lengths = self.augment_waves(waves, lengths, generator)
         else:
             waves, lengths = resample(waves, lengths.to(waves.device, torch.long), self.input_rate_hz,
                                       self.feats.sample_rate_hz)
         feats, feat_lengths = log_mel(self.mel, waves, lengths, self.feats)
         feats = normalize(feats, feat_lengths, self.feats)
-        if augment and self.aug.spec_augment.p > 0:
+        if augment and generator is not None and self.aug.spec_augment.p > 0:
             feats = spec_augment(feats, feat_lengths, self.aug.spec_augment, generator)
         return feats, feat_lengths

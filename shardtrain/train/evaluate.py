@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import cast
+
 import torch
 
 from shardtrain.load.loader import build_loader
 from shardtrain.train.text import error_counts
 from shardtrain.world import World
 from shardtrain.train.config import RunConfig
+from shardtrain.train.model import SpeechModel
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
 
 
@@ -40,7 +43,7 @@ def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmente
             feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, None, train=False)
             with autocast(tc, device):
                 loss_sum, outputs, out_lengths = model(feats, feat_lengths, targets, target_lengths)
-            hyps = [tok.decode(ids) for ids in model.decode(outputs, out_lengths)]
+            hyps = [tok.decode(ids) for ids in cast(SpeechModel, model).decode(outputs, out_lengths)]
             for k, v in error_counts(batch.texts, hyps).items():
                 sums[k] += v
             sums["loss"] += float(loss_sum)

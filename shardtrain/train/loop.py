@@ -52,7 +52,7 @@ from shardtrain.train.metrics import MetricsLogger
 from shardtrain.train.model import build_model, num_parameters
 from shardtrain.train.overrides import to_dict
 from shardtrain.load.loader import build_loader
-from shardtrain.train.text import CharVocab, SentencePieceVocab, tokenizer_from_json
+from shardtrain.train.text import CharVocab, SentencePieceVocab, Tokenizer, tokenizer_from_json
 from shardtrain.world import World
 from shardtrain.train.config import RunConfig, TrainConfig, data_sources
 
@@ -89,7 +89,7 @@ def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | Non
              if world.is_main else None]
     if world.world_size > 1:
         dist.broadcast_object_list(chars, src=0)
-    return CharVocab(chars[0])
+    return CharVocab(chars[0] or [])
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -143,7 +143,7 @@ def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options
 class _Run:
     """Everything a training run carries from step to step (and restores from a checkpoint)."""
 
-    tok: object
+    tok: Tokenizer
     raw_model: torch.nn.Module
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer

@@ -52,6 +52,7 @@ class MetricsLogger:
     def log(self, row: dict) -> None:
         if not self.active:
             return
+        assert self._fh is not None  # opened in __init__ when active
         self._fh.write(json.dumps(row, sort_keys=True) + "\n")
         self._fh.flush()
         if self._tb is not None:

@@ -104,7 +104,7 @@ def from_dict(cls: type, d: dict) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
         sub = next((a for a in args if dataclasses.is_dataclass(a)), None)
         if sub is not None and isinstance(v, dict):
-            v = from_dict(sub, v)
+            v = from_dict(typing.cast(type, sub), v)
         elif isinstance(v, list):
             v = tuple(v)
         kwargs[k] = v

@@ -44,7 +44,8 @@ class Augmenters:
     """One DeviceAugment per input sample rate (built on first use, kept on the device)."""
 
     def __init__(self, cfg: RunConfig, device: torch.device) -> None:
-        self.cfg, self.device, self._by_rate = cfg, device, {}
+        self.cfg, self.device = cfg, device
+        self._by_rate: dict[int, DeviceAugment] = {}
 
     def __call__(self, waves, lengths, rate_hz: int, generator, train: bool):
         if rate_hz not in self._by_rate:

@@ -39,7 +39,7 @@ def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
     assert "| shardtrain |" in (tmp_path / "out" / "compare.md").read_text()
 
 
-def test_bench_decode_compares_both_decoders(tmp_path):
+def test_bench_decode_compares_the_decoders(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--utterances", "60", "--shards", "1",
            "--repeats", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -47,4 +47,7 @@ def test_bench_decode_compares_both_decoders(tmp_path):
     result = json.loads((tmp_path / "out" / "bench_decode.json").read_text())
     assert result["members"] > 0 and result["audio_seconds"] > 0
     seen = {(r["decoder"], r["parallelism"].split()[1]) for r in result["rows"] if r["audio_s_per_s"]["median"] > 0}
-    assert seen == {(d, how) for d in ("soundfile BytesIO", "decode_into (memfd)") for how in ("threads", "processes")}
+    decoders = ("soundfile BytesIO", "decode_into (memfd, SoundFile(fd))", "memfd, private cffi handle (reference)")
+    assert seen == {(d, how) for d in decoders for how in ("threads", "processes")}
+    cpu = result["cpu_ab"]  # the price of soundfile's public API, measured in thread CPU time
+    assert cpu["public"] > 0 and cpu["private"] > 0 and cpu["public_vs_private"] == cpu["public"] / cpu["private"]

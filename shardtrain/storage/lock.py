@@ -1,0 +1,147 @@
+"""An exclusive lock object next to a dataset being written (`OUTPUT/_pack.lock`), locally and on S3.
+
+    acquire_lock(OUTPUT) -> create OUTPUT/_pack.lock exclusively, holding {host, pid, time_utc, token}
+                         -> LockHeld naming the holder when it exists (a stale one of a dead process on this
+                            host is taken over, with a warning) -> OutputLock.release() deletes it
+
+Why an object and not flock: the output is often an S3 prefix, where only the object store can arbitrate.
+- Local paths: the holder's JSON is written to a temp file and hard-linked to the lock name; `link` fails when
+  the name exists, so exactly one process creates it, and its content is complete when it appears.
+- S3: a PUT with `If-None-Match: *` (s3fs `mode="create"`), which the server refuses (412) when the key
+  exists; SeaweedFS 4.48 and AWS S3 both honour it (tests/test_lock.py runs it against SeaweedFS). The lock is
+  then read back and its token compared, which also catches a server that ignores the header when the two
+  writes are not concurrent. Residual race, only on a server that ignores `If-None-Match`: two packs whose PUTs
+  and read-backs interleave can both believe they hold the lock.
+- Taking over a stale lock (same host, pid no longer alive) deletes it and retries once; two processes taking
+  over the same stale lock at once race on that delete (one of them then fails to create and is refused).
+  A lock left by a crash on another host must be removed by hand (the message says which object).
+
+Costs: one small write and one read (two requests on S3) to acquire, one delete to release.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from shardtrain.storage import fs as _fs
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "_pack.lock"
+
+
+class LockHeld(RuntimeError):
+    """Another process holds the lock; the message names it (host, pid, start time) and the lock's URL."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLock:
+    url: str
+    """The lock object's URL."""
+    token: str
+    storage_options: dict | None = None
+
+    def release(self) -> None:
+        """Delete the lock if it is still ours (a lock taken over meanwhile is left to its new holder)."""
+        holder = _read_holder(self.url, self.storage_options)
+        if holder is None or holder.get("token") == self.token:
+            _fs.remove(self.url, self.storage_options)
+
+    def __enter__(self) -> "OutputLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def describe(holder: dict | None) -> str:
+    """One line naming a lock's holder (values escaped: a lock object is as untrusted as anything stored)."""
+    if not holder:
+        return "an unknown process (the lock object is unreadable)"
+    return f"pid {holder.get('pid')!r} on host {holder.get('host')!r}, since {holder.get('time_utc')!r}"
+
+
+def acquire_lock(dir_url: str, storage_options: dict | None = None, *, purpose: str = "pack") -> OutputLock:
+    """Create `dir_url/_pack.lock` exclusively or raise LockHeld naming the holder."""
+    url = _fs.join(dir_url, LOCK_NAME)
+    token = uuid.uuid4().hex
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose, "token": token,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    data = json.dumps(info, sort_keys=True).encode()
+    took_over = False
+    for _ in range(3):
+        if _create_exclusive(url, data, storage_options):
+            holder = _read_holder(url, storage_options)
+            if holder is not None and holder.get("token") == token:
+                return OutputLock(url=url, token=token, storage_options=storage_options)
+            # the server let a second writer replace our lock object: that writer holds it
+        else:
+            holder = _read_holder(url, storage_options)
+            if holder is None and not _fs.exists(url, storage_options):
+                continue  # released between our create and our read: try again
+        if not took_over and _stale(holder):
+            log.warning("taking over the stale lock %s of %s (that process is gone)", url, describe(holder))
+            _fs.remove(url, storage_options)
+            took_over = True
+            continue
+        break
+    raise LockHeld(f"{dir_url} is locked by another {purpose}: {describe(holder)} holds {url}. Wait for it to "
+                   f"finish; if no such process runs any more, delete {url} and re-run")
+
+
+def _create_exclusive(url: str, data: bytes, storage_options: dict | None) -> bool:
+    """Create `url` holding `data` unless it exists; True when this call created it."""
+    fsys, path = _fs.fs_and_path(url, storage_options)
+    if _fs.is_local(url):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # atomic and exclusive: fails with FileExistsError when the lock exists
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+    try:
+        fsys.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        return False
+    except OSError as e:
+        text = str(e).lower()
+        if "pre-condition" in text or "precondition" in text or "412" in text:
+            return False
+        raise
+    finally:
+        fsys.invalidate_cache(path)
+    return True
+
+
+def _read_holder(url: str, storage_options: dict | None) -> dict | None:
+    try:
+        raw = _fs.read_bytes(url, storage_options)
+        holder = json.loads(raw[:4096])
+    except (OSError, ValueError, RecursionError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _stale(holder: dict | None) -> bool:
+    """A lock of a process on this host that no longer runs."""
+    if not holder or holder.get("host") != socket.gethostname() or type(holder.get("pid")) is not int:
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
