@@ -5,7 +5,7 @@ table, then loads and deals only its own rows. Not wired into the Loader yet; be
     index (duration-sorted) -> blocks: runs of ~`block_s` seconds of audio (a block never mixes over-budget rows
          with others); per block: first row, rows, cost, max cost, bytes       (~30 B per block; 100M rows = ~100 MB
          at 600 s blocks; computed once per dataset, e.g. at pack time)
-      -> plan_blocks (pure, identical on every rank; O(blocks)):
+      -> plan_blocks (pure, identical on every rank; O(blocks), flat arrays, no object per chunk):
            buckets over blocks (equal audio, at least one batch per rank) -> per bucket n chunks (a multiple of
            world_size, <= batches_per_chunk batches each) -> blocks in random order, each to the lightest chunk
            -> groups of world_size chunks; M_g = the most batches any member needs (cost / (budget - its longest),
@@ -61,10 +61,18 @@ def make_blocks(cost: np.ndarray, size: np.ndarray, block_s: float, budget: floa
 
 @dataclass(frozen=True, slots=True)
 class BlockPlan:
+    """Flat arrays, no object per chunk: at 100M rows there are ~700k chunks, and every rank holds the plan."""
+
     epoch: int
     world_size: int
-    groups: list[tuple[int, list[np.ndarray]]]
-    """(batches M_g, [block ids of rank r's chunk for r in ranks]) per group, in step order."""
+    seq: np.ndarray
+    """Block ids, bucket after bucket, each bucket in this epoch's random order."""
+    bounds: np.ndarray
+    """Chunk c is seq[bounds[c]:bounds[c + 1]]; a group is world_size consecutive chunks of one bucket."""
+    group_first: np.ndarray
+    """First chunk of each group, in step order (groups shuffled)."""
+    group_m: np.ndarray
+    """Batches M_g of each group, in step order."""
     too_long_rows: int
     budget: float
     bucket: np.ndarray
@@ -72,7 +80,17 @@ class BlockPlan:
 
     @property
     def steps(self) -> int:
-        return sum(m for m, _ in self.groups)
+        return int(self.group_m.sum())
+
+    def chunk(self, g: int, rank: int) -> np.ndarray:
+        """Block ids of `rank`'s chunk in group g (step order), ascending."""
+        c = int(self.group_first[g]) + rank
+        return np.sort(self.seq[self.bounds[c]:self.bounds[c + 1]])
+
+    @property
+    def groups(self) -> list[tuple[int, list[np.ndarray]]]:
+        """(M_g, every rank's block ids) per group: for tests and small plans (builds an array per chunk)."""
+        return [(int(m), [self.chunk(g, r) for r in range(self.world_size)]) for g, m in enumerate(self.group_m)]
 
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:
@@ -80,7 +98,8 @@ def _rng(seed: int, epoch: int) -> np.random.Generator:
 
 
 def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig) -> BlockPlan:
-    """Every rank's chunks as block lists, and each group's batch count. Pure and O(blocks)."""
+    """Every rank's chunks as block ranges, and each group's batch count. Pure; O(blocks) numpy plus a Python
+    loop over buckets only."""
     rng = _rng(seed, epoch)
     ok = np.flatnonzero(~blocks.too_long)
     if 0 < int(blocks.rows[ok].sum()) < world_size:
@@ -91,7 +110,7 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
     nb = max(1, min(cfg.num_buckets, int(fill), len(ok) // world_size))  # a bucket: >= a batch and a block per rank
     edges = estimate_bins(mean, nb) if len(ok) else np.zeros(0)
     bucket = np.searchsorted(edges, mean, side="right")
-    groups: list[tuple[int, list[np.ndarray]]] = []
+    seqs, bounds_all, need_all, base = [], [np.zeros(1, np.int64)], [], 0
     for b in np.unique(bucket):
         ids = ok[bucket == b]
         cost = float(blocks.cost[ids].sum())
@@ -108,14 +127,17 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
         c_max = np.zeros(n)
         c_max[nonempty] = np.maximum.reduceat(blocks.max_cost[seq], bounds[:-1][nonempty])
         need = np.ceil(c_cost / np.maximum(budget - c_max, 1e-9) - 1e-9)
-        need = np.maximum(1, np.minimum(need, c_rows)).astype(np.int64).reshape(-1, world_size).max(axis=1)
-        chunks = [np.sort(p) for p in np.split(seq, bounds[1:-1])]
-        groups.extend((int(need[g]), chunks[g * world_size:(g + 1) * world_size]) for g in range(len(need)))
-    order = rng.permutation(len(groups))
-    return BlockPlan(epoch=epoch, world_size=world_size, groups=[groups[i] for i in order],
-                     too_long_rows=int(blocks.rows[blocks.too_long].sum()), budget=budget,
-                     bucket=np.where(blocks.too_long, -1, np.searchsorted(edges, blocks.cost / np.maximum(blocks.rows, 1),
-                                                                          side="right")))
+        need_all.append(np.maximum(1, np.minimum(need, c_rows)).astype(np.int64).reshape(-1, world_size).max(axis=1))
+        seqs.append(seq)
+        bounds_all.append(base + bounds[1:])
+        base += len(seq)
+    group_m = np.concatenate(need_all) if need_all else np.zeros(0, np.int64)
+    order = rng.permutation(len(group_m))
+    return BlockPlan(epoch=epoch, world_size=world_size, seq=np.concatenate(seqs) if seqs else np.zeros(0, np.int64),
+                     bounds=np.concatenate(bounds_all), group_first=(order * world_size).astype(np.int64),
+                     group_m=group_m[order], too_long_rows=int(blocks.rows[blocks.too_long].sum()), budget=budget,
+                     bucket=np.where(blocks.too_long, -1,
+                                     np.searchsorted(edges, blocks.cost / np.maximum(blocks.rows, 1), side="right")))
 
 
 def chunk_rows(blocks: Blocks, ids: np.ndarray) -> np.ndarray:
@@ -152,7 +174,7 @@ def rank_batches(plan: BlockPlan, blocks: Blocks, cost_of, rank: int, seed: int)
     rows are ever asked for: that is all a rank loads)."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, plan.epoch, 4243, rank])))
     out: list[np.ndarray] = []
-    for m, members in plan.groups:
-        rows = chunk_rows(blocks, members[rank])
+    for g, m in enumerate(plan.group_m.tolist()):
+        rows = chunk_rows(blocks, plan.chunk(g, rank))
         out.extend(deal_chunk(rows, cost_of(rows), m, plan.budget, rng))
     return out
