@@ -48,7 +48,8 @@ def make_blocks(cost: np.ndarray, size: np.ndarray, block_s: float, budget: floa
     n = len(cost)
     cut = int(np.searchsorted(cost, budget, side="right"))  # rows [cut, n) are too long
     cs = np.concatenate([[0.0], np.cumsum(cost)])
-    inner = np.searchsorted(cs[1:cut + 1], np.arange(block_s, cs[cut], block_s), side="left") + 1 if cut else []
+    inner = (np.searchsorted(cs[1:cut + 1], np.arange(block_s, cs[cut], block_s), side="left") + 1 if cut
+             else np.zeros(0, np.int64))
     starts = np.unique(np.concatenate([[0], inner, np.arange(cut, n, 64)])).astype(np.int64)
     starts = starts[starts < n]
     ends = np.append(starts[1:], n)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import numpy as np
 
@@ -162,7 +162,7 @@ class MixtureLoader(Loader):
             self._rows_of = (epoch, chain, [b for c in plan.rank_chunks(self.world.rank) for b in c.batches])
         return self._rows_of[2][step]
 
-    def __iter__(self) -> Iterator[tuple[Batch, dict]]:
+    def __iter__(self) -> Generator[tuple[Batch, dict], None, None]:
         for batch, _ in super().__iter__():
             idx, source = self.mix.select(batch.epoch)
             rows = self._batch_rows(batch.epoch, batch.step)
