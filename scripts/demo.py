@@ -5,6 +5,7 @@
       -> shardtrain inspect --verify
       -> shardtrain train (tiny CTC model, streamed from S3, bounded steps) -> validation CER falling
       -> shardtrain bench on the same data (S3 and local)
+      -> shardtrain transcribe the validation set (reference vs hypothesis) + evaluate, and export to ONNX (+ int8)
       -> stop the server, print where everything is
 
 Every step calls the real `shardtrain` command line in a subprocess, exactly as a user would, with the S3
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     exe = [sys.executable, "-m", "shardtrain"]
 
     # 1. speech corpus (kept between runs: it is the slow part and deterministic)
-    print(f"== 1/6 speech corpus with espeak-ng: {args.train_utts} train + {args.val_utts} validation utterances")
+    print(f"== 1/7 speech corpus with espeak-ng: {args.train_utts} train + {args.val_utts} validation utterances")
     corpora = {}
     for name, n, seed in (("train", args.train_utts, 0), ("val", args.val_utts, 1)):
         folder = out / "corpus" / name
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         corpora[name] = folder
 
     # 2. S3 server on loopback
-    print("== 2/6 SeaweedFS S3 server on 127.0.0.1")
+    print("== 2/7 SeaweedFS S3 server on 127.0.0.1")
     server = LocalS3(out / "s3-data", log_path=out / "s3.log").start()
     try:
         env = {**os.environ, **server.env, "PYTHONUNBUFFERED": "1"}
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  S3 endpoint {server.endpoint_url} (started in {server.start_time_s:.1f} s)")
 
         # 3. pack to S3 and to a local folder
-        print("== 3/6 pack")
+        print("== 3/7 pack")
         for name in ("train", "val"):
             sh(exe + ["pack", str(corpora[name]), f"s3://demo/{name}", "--workers", str(args.workers),
                       "--target-shard-mb", "16", "--overwrite", "--no-progress"], env)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         sh(exe + ["inspect", "s3://demo/train", "--verify"], env)
 
         # 4. train from S3
-        print("== 4/6 train the tiny CTC model, streaming from S3")
+        print("== 4/7 train the tiny CTC model, streaming from S3")
         run_dir = out / "run"
         if run_dir.exists():
             shutil.rmtree(run_dir)
@@ -107,13 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         vals = [v for v in vals if "cer" in v]
 
         # 5. benchmark the loader on the same data
-        print("== 5/6 loader benchmark on the same data")
+        print("== 5/7 loader benchmark on the same data")
         bench = {}
         for where, url in (("s3", "s3://demo/train"), ("local", str(out / "shards" / "train"))):
             res = sh(exe + ["bench", url, "--json"], env)
             bench[where] = json.loads(res.strip().splitlines()[-1])
+
+        # 6. use the model: transcribe the validation set from S3, score it, export it
+        print("== 6/7 transcribe the validation set, evaluate, export to ONNX")
+        transcripts = run_dir / "val_transcripts.jsonl"
+        sh(exe + ["transcribe", str(run_dir), "s3://demo/val", "--out", str(transcripts), "--no-progress"], env)
+        sh(exe + ["evaluate", str(run_dir), "--data", "s3://demo/val", "--worst", "3", "--no-progress",
+                  "--out", str(run_dir / "val_eval.json")], env)
+        sh(exe + ["export", str(run_dir), str(run_dir / "model.onnx"), "--quantize", "int8"], env)
+        rows = [json.loads(line) for line in transcripts.read_text().splitlines()]
     finally:
-        print("== 6/6 stop the S3 server")
+        print("== 7/7 stop the S3 server")
         server.stop()
 
     # summary
@@ -127,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         first, last = vals[0]["cer"], vals[-1]["cer"]
         verdict = "learning" if last < first else "NOT improving"
         print(f"CER {first:.3f} -> {last:.3f} ({verdict}); WER {vals[-1]['wer']:.3f}")
+    print(f"ONNX model:    {run_dir / 'model.onnx'} (+ model.int8.onnx); transcripts: {transcripts}")
+    for r in rows[:: max(1, len(rows) // 5)][:5]:  # a few, from short to long
+        print(f"  REF: {r['reference']}\n  HYP: {r['text']}   (CER {r['cer']:.2f})")
     for where, b in bench.items():
         print(f"loader {where:5s}:  {b['audio_s_per_s']:.0f} audio-s/s, {b['samples_per_s']:.0f} samples/s, "
               f"padding efficiency {b['padding_efficiency']:.3f}, first batch {b['first_batch_s']:.2f} s, "

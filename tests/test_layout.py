@@ -1,6 +1,6 @@
 """The package layout is a rule, not a habit: one direction of imports between the rooms, and no import cycles.
 
-    base (world, faults, _version)  <-  storage  <-  format  <-  {pack, load}  <-  train  <-  cli
+    base (world, faults, _version)  <-  storage  <-  format  <-  {pack, load}  <-  train  <-  infer  <-  cli
     testing imports only storage (and base); pack and load never import each other.
 
 Checked on the source (AST), so lazy imports inside functions and TYPE_CHECKING imports count too. The first
@@ -23,6 +23,7 @@ ALLOWED = {  # room -> rooms it may import (besides itself and BASE)
     "pack": {"format", "storage"},
     "load": {"format", "storage"},
     "train": {"load", "format", "storage"},
+    "infer": {"train", "load", "format", "storage"},
     "testing": {"storage"},
     "interop": {"train", "load", "format", "storage"},
 }

@@ -100,6 +100,9 @@ class TrainConfig:
     linearly with the global batch, "none" changes neither."""
     log_keys: bool = False
     """Write the utterance keys of every micro-batch to out_dir/keys/rank{R}.jsonl (audit; train/keylog.py)."""
+    qat: bool = False
+    """Quantization-aware training: every nn.Linear fake-quantizes its input (uint8) and weight (int8) the way
+    ONNX Runtime's dynamic int8 quantization will (see train/qat.py); `shardtrain export --quantize int8`."""
     cpu_threads: int = 0
     """torch intra-op threads when training on the CPU; 0 keeps torch's default. On a busy machine (or beside the
     loader's decode threads) 1 can be several times faster for small models: OpenMP threads spin-wait on each

@@ -51,6 +51,7 @@ from shardtrain.train.evaluate import evaluate
 from shardtrain.train.metrics import MetricsLogger
 from shardtrain.train.model import build_model, num_parameters
 from shardtrain.train.overrides import to_dict
+from shardtrain.train.qat import enable_qat
 from shardtrain.load.loader import build_loader
 from shardtrain.train.text import CharVocab, SentencePieceVocab, Tokenizer, tokenizer_from_json
 from shardtrain.world import World
@@ -170,7 +171,10 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
 
     tok = tokenizer_from_json(state["main"]["tokenizer"]) if state else _build_tokenizer(tc, world, storage_options)
     torch.manual_seed(tc.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
-    raw_model = build_model(cfg.model, len(tok), cfg.features.n_mels).to(device)
+    raw_model = build_model(cfg.model, len(tok), cfg.features.n_mels)
+    if tc.qat:  # fake-quant Linear layers (train/qat.py); parameters and state_dict keys are unchanged
+        log.info("quantization-aware training: %d Linear layers fake-quantized", enable_qat(raw_model))
+    raw_model = raw_model.to(device)
     optimizer = _optimizer(raw_model, tc)
     run = _Run(tok=tok, raw_model=raw_model, model=raw_model, optimizer=optimizer,
                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc)),

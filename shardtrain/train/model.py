@@ -3,7 +3,7 @@
     feats [B, F, n_mels] + feat_lengths [B]
       -> zero frames past each length (so padding never leaks into valid frames, whatever the batch)
       -> ConvSubsampling: two 3x3 stride-2 convs (4x fewer frames)            -> [B, F', d_model]
-      -> + sinusoidal positions -> N x (Conformer | pre-norm Transformer) blocks with a key padding mask
+      -> + sinusoidal positions -> N x (Conformer | pre-norm Transformer | BiLSTM) blocks with a padding mask
       -> LayerNorm -> Linear(vocab) -> log_softmax                             -> log_probs [B, F', V]
       -> CTC loss, summed over the batch (the trainer divides by the global token count)
 
@@ -14,6 +14,10 @@ Design choices:
   utterances into each output, so results would depend on how a batch was cut (and on world size).
 - Positions are absolute sinusoids added once (not relative attention): simpler, and good enough for a
   baseline; a user who wants more plugs in their own model through `SpeechModel` / `ModelConfig.factory`.
+- The BiLSTM encoder (the seed trainer's CNN + BiLSTM) runs each direction as its own one-way LSTM; the
+  backward one reads every utterance reversed *within its length* (a gather), so padding never enters a valid
+  frame's state and the result does not depend on the batch. Unlike pack_padded_sequence, this exports to ONNX
+  with dynamic batch and time axes.
 - Activation checkpointing (per block, non-reentrant) trades ~30% more compute for storing one activation per
   block instead of all intermediate ones.
 """
@@ -32,10 +36,13 @@ from torch.utils.checkpoint import checkpoint
 from shardtrain.train.text import greedy_decode
 
 
+ENCODERS = ("conformer", "transformer", "bilstm")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     encoder: str = "conformer"
-    """Encoder block: "conformer" or "transformer" (pre-norm)."""
+    """Encoder block: "conformer", "transformer" (pre-norm) or "bilstm" (d_model/2 units per direction)."""
     d_model: int = 144
     """Width of the encoder."""
     num_layers: int = 4
@@ -54,9 +61,11 @@ class ModelConfig:
     """"package.module:function" building a user model `f(cfg, vocab_size, n_mels) -> SpeechModel`; empty = baseline."""
 
     def __post_init__(self) -> None:
-        if self.encoder not in ("conformer", "transformer"):
-            raise ValueError(f"model.encoder must be 'conformer' or 'transformer', got {self.encoder!r}")
-        if self.d_model % self.num_heads:
+        if self.encoder not in ENCODERS:
+            raise ValueError(f"model.encoder must be one of {ENCODERS}, got {self.encoder!r}")
+        if self.encoder == "bilstm" and self.d_model % 2:
+            raise ValueError(f"model.d_model must be even for model.encoder=bilstm, got {self.d_model}")
+        if self.encoder != "bilstm" and self.d_model % self.num_heads:
             raise ValueError(f"model.num_heads ({self.num_heads}) must divide model.d_model ({self.d_model})")
         if self.conv_kernel % 2 == 0:
             raise ValueError("model.conv_kernel must be odd")
@@ -201,6 +210,37 @@ class TransformerBlock(nn.Module):
         return x + self.ff(x)
 
 
+def reverse_padded(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Reverse each row's first `lengths[b]` frames of [B, T, D]; padding frames stay where they are."""
+    t = torch.arange(x.shape[1], device=x.device)[None, :]
+    n = lengths[:, None]
+    idx = torch.where(t < n, n - 1 - t, t)
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[2]))
+
+
+class BiLSTMBlock(nn.Module):
+    """Pre-norm residual bidirectional LSTM: x + Dropout([LSTM_fwd(y); rev(LSTM_bwd(rev(y)))]), y = LayerNorm(x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        half = cfg.d_model // 2
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.fwd = nn.LSTM(cfg.d_model, half, batch_first=True)
+        self.bwd = nn.LSTM(cfg.d_model, half, batch_first=True)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        lengths = (~pad).sum(1)
+        y = self.norm(x)
+        f, _ = self.fwd(y)
+        b, _ = self.bwd(reverse_padded(y, lengths))
+        return x + self.drop(torch.cat([f, reverse_padded(b, lengths)], dim=-1))
+
+
+BLOCKS: dict[str, type[nn.Module]] = {"conformer": ConformerBlock, "transformer": TransformerBlock,
+                                      "bilstm": BiLSTMBlock}
+
+
 class CTCModel(nn.Module):
     """Conv subsampling + encoder + linear CTC head. Implements `SpeechModel`."""
 
@@ -209,7 +249,7 @@ class CTCModel(nn.Module):
         self.cfg = cfg
         self.subsample = ConvSubsampling(n_mels, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        block = ConformerBlock if cfg.encoder == "conformer" else TransformerBlock
+        block = BLOCKS[cfg.encoder]
         self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, vocab_size)

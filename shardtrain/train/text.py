@@ -3,7 +3,7 @@
     index.parquet "text" column -> CharVocab (blank=0, then every character seen, sorted)
     texts [B] -> encode -> targets [sum(U)] int64 + target_lengths [B]
     log_probs [B, T', V] -> greedy_decode (argmax, collapse repeats, drop blank) -> ids -> decode -> texts
-    (hyps, refs) -> edit distances on characters (CER) and whitespace words (WER)
+    (hyps, refs) -> edit distances on characters (CER) and whitespace words (WER), through rapidfuzz (C++)
 
 The character vocabulary is built from the training index (one column read, no audio), so a new corpus
 needs no tokenizer step. Characters are kept as they are (no case folding): a corpus in capitals, such as
@@ -17,6 +17,7 @@ import logging
 from typing import Protocol, Sequence
 
 import torch
+from rapidfuzz.distance import Levenshtein
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +144,28 @@ def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[list[i
 
 
 def edit_distance(ref: Sequence, hyp: Sequence) -> int:
-    """Levenshtein distance (substitutions, insertions, deletions all cost 1); O(len(ref) * len(hyp))."""
-    prev = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        cur = [i] + [0] * len(hyp)
-        for j, h in enumerate(hyp, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
-        prev = cur
-    return prev[-1]
+    """Levenshtein distance (substitutions, insertions, deletions all cost 1) of two strings or token lists.
+
+    rapidfuzz's C++ implementation (bit-parallel): a 500-character pair takes ~10 us here, against 36-69 ms for the
+    pure-Python O(len(ref) * len(hyp)) loop it replaced, which ran on the training rank's main thread in validation.
+    Word lists work too: any hashable elements compare by equality.
+    """
+    return Levenshtein.distance(ref, hyp)
+
+
+def edit_ops(ref: Sequence, hyp: Sequence) -> dict[str, int]:
+    """One optimal alignment's {"sub", "ins", "del"} counts; they sum to `edit_distance(ref, hyp)`.
+
+    "ins": in the hypothesis, not the reference; "del": in the reference, missing from the hypothesis. When
+    several alignments are optimal, rapidfuzz picks one (the split can differ from other tools; the sum cannot).
+    """
+    out = {"sub": 0, "ins": 0, "del": 0}
+    for op in Levenshtein.editops(ref, hyp):
+        out[_OP_NAMES[op.tag]] += 1
+    return out
+
+
+_OP_NAMES = {"replace": "sub", "insert": "ins", "delete": "del"}
 
 
 def error_counts(refs: Sequence[str], hyps: Sequence[str]) -> dict[str, int]:

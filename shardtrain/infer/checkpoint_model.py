@@ -1,0 +1,153 @@
+"""A trained model ready for inference, loaded from what `shardtrain train` wrote.
+
+    RUN_DIR/                      or   RUN_DIR/checkpoints/step_NNNNNN/
+      checkpoints/step_NNNNNN/         model.pt   (state_dict)
+        model.pt, meta.json            meta.json  (step, val_loss, the resolved RunConfig)
+      vocab.json                       train_state.pt (tokenizer, when no RUN_DIR/vocab.json is beside it)
+  -> TrainedModel(model in eval mode on the device, tokenizer, RunConfig, step)
+  -> waves [B, T] float32 at any rate + lengths [B]
+       -> resample to features.sample_rate_hz -> log-mel -> normalize   (exactly the validation features)
+       -> model -> log_probs [B, T', V], out_lengths [B] -> greedy CTC -> texts
+
+A run directory resolves to its newest committed checkpoint (`which="latest"`) or the one with the lowest
+validation loss (`which="best"`). The config is rebuilt from the checkpoint's own meta.json (not the run's
+config.json, which a later `--resume` with other flags may have rewritten), so the features and the model
+are those the weights were trained with. Loading reads tensors only (`weights_only=True`).
+A model trained with `train.qat=true` is rebuilt with its fake-quant layers (PyTorch inference then matches
+the int8 arithmetic it was trained for); `qat=False` loads the same weights into the float model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from shardtrain.train.augment import resample
+from shardtrain.train.config import RunConfig
+from shardtrain.train.features import log_mel, normalize
+from shardtrain.train.model import SpeechModel, build_model
+from shardtrain.train.overrides import from_dict
+from shardtrain.train.qat import enable_qat
+from shardtrain.train.text import Tokenizer, tokenizer_from_json
+
+log = logging.getLogger(__name__)
+
+_STEP = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A path that is not a run directory or a committed checkpoint; the message says what was expected."""
+
+
+def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
+    """A committed step directory (holding meta.json and model.pt) from a step dir or a run dir."""
+    p = Path(path)
+    if (p / "meta.json").is_file() and (p / "model.pt").is_file():
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    steps = sorted((int(m.group(1)), d) for d in (root.iterdir() if root.is_dir() else ())
+                   if (m := _STEP.match(d.name)) and (d / "meta.json").is_file() and (d / "model.pt").is_file())
+    if not steps:
+        raise CheckpointError(f"{p}: no checkpoint here; pass a run directory (the --out of `shardtrain train`, "
+                              "holding checkpoints/step_NNNNNN/) or one step_NNNNNN directory")
+    if which == "latest":
+        return steps[-1][1]
+    if which == "best":
+        scored = [(m["val_loss"], s, d) for s, d in steps
+                  if (m := json.loads((d / "meta.json").read_text())).get("val_loss") is not None]
+        if not scored:
+            raise CheckpointError(f"{p}: no checkpoint has a validation loss; use which='latest'")
+        return min(scored)[2]
+    raise CheckpointError(f"which must be 'latest' or 'best', got {which!r}")
+
+
+def _tokenizer(step_dir: Path) -> Tokenizer:
+    vocab = step_dir.parent.parent / "vocab.json"
+    if vocab.is_file():
+        return tokenizer_from_json(json.loads(vocab.read_text()))
+    main = torch.load(step_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    return tokenizer_from_json(main["tokenizer"])
+
+
+@dataclass(slots=True)
+class TrainedModel:
+    """A model, its tokenizer and its config; `log_probs`/`transcribe` take raw padded waves."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    config: RunConfig
+    step: int
+    path: Path
+    device: torch.device
+    _mel: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def sample_rate_hz(self) -> int:
+        return self.config.features.sample_rate_hz
+
+    def features(self, waves: torch.Tensor, lengths: torch.Tensor,
+                 rate_hz: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """waves [B, T] float32 at `rate_hz` -> (feats [B, F, n_mels], feat_lengths [B]) on the model's device,
+        computed as validation computes them (resample, log-mel, normalisation; no augmentation)."""
+        fc = self.config.features
+        waves = waves.to(self.device, torch.float32)
+        lengths = lengths.to(self.device, torch.long)
+        waves, lengths = resample(waves, lengths, rate_hz, fc.sample_rate_hz)
+        if self.device not in self._mel:
+            self._mel[self.device] = fc.mel_module().to(self.device)
+        feats, feat_lengths = log_mel(self._mel[self.device], waves, lengths, fc)
+        return normalize(feats, feat_lengths, fc), feat_lengths
+
+    @torch.inference_mode()
+    def log_probs(self, waves: torch.Tensor, lengths: torch.Tensor,
+                  rate_hz: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (log_probs [B, T', V] float32, out_lengths [B]); works for any `SpeechModel` (empty targets)."""
+        feats, feat_lengths = self.features(waves, lengths, rate_hz)
+        bsz = feats.shape[0]
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        _, outputs, out_lengths = self.model(feats, feat_lengths, empty, torch.zeros(bsz, dtype=torch.long,
+                                                                                      device=self.device))
+        return outputs, out_lengths
+
+    def decode(self, log_probs: torch.Tensor, out_lengths: torch.Tensor) -> list[str]:
+        model = cast(SpeechModel, self.model)
+        return [self.tokenizer.decode(ids) for ids in model.decode(log_probs, out_lengths)]
+
+    def transcribe(self, waves: torch.Tensor, lengths: torch.Tensor, rate_hz: int) -> list[str]:
+        """Greedy CTC transcripts of a padded batch."""
+        return self.decode(*self.log_probs(waves, lengths, rate_hz))
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" = cuda when available, else cpu; anything else as torch spells it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_trained(path: str | Path, *, device: str = "cpu", which: str = "latest",
+                 qat: bool | None = None) -> TrainedModel:
+    """Load a checkpoint (step dir) or a run dir's latest/best one. `qat`: None = as trained (`train.qat`),
+    False = the float model (what ONNX export wants), True = force fake-quant layers. Cost: one torch.load."""
+    step_dir = find_checkpoint(path, which)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    if "config" not in meta:
+        raise CheckpointError(f"{step_dir}/meta.json holds no config; it was not written by `shardtrain train`")
+    cfg: RunConfig = from_dict(RunConfig, meta["config"])
+    tok = _tokenizer(step_dir)
+    dev = resolve_device(device)
+    model = build_model(cfg.model, len(tok), cfg.features.n_mels)
+    if cfg.train.qat if qat is None else qat:
+        enable_qat(model)
+    state = torch.load(step_dir / "model.pt", map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+    model.to(dev).eval()
+    log.info("loaded %s (step %s, %s encoder, vocabulary %d) on %s", step_dir, meta.get("step"),
+             cfg.model.encoder, len(tok), dev)
+    return TrainedModel(model=model, tokenizer=tok, config=cfg, step=int(meta.get("step", 0)), path=step_dir,
+                        device=dev)
