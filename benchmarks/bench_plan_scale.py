@@ -13,6 +13,7 @@ loader RSS should not grow with corpus size (only the ~40 B/row PlanIndex does).
 
     .venv/bin/python benchmarks/bench_plan_scale.py                 # 1k..1M rows + 1k/4k real audio (~2-3 min)
     .venv/bin/python benchmarks/bench_plan_scale.py --quick         # 1k..100k rows, 400 utterances of audio
+    .venv/bin/python benchmarks/bench_plan_scale.py --simulate      # block planner, 1k..100M rows x 1..1,024 ranks
 """
 from __future__ import annotations
 
@@ -125,7 +126,97 @@ def index_read_one(n: int) -> dict:
     return res
 
 
+def simulate_one(n: int, world_sizes: list[int], max_batch_seconds: float, block_s: float,
+                 sim_ranks: int, seed: int = 0) -> dict:
+    """Run in a fresh interpreter: the block-level planner (load/blockplan.py) at n rows for each world size.
+
+    Every rank runs plan_blocks on the same block table (timed once: it is the same on all ranks), then loads
+    and deals only its own rows; `sim_ranks` ranks (first, last, and evenly spaced) are dealt for real, the
+    others are checked at block level (every block in exactly one chunk, ws members per group = equal steps).
+    Memory per rank = the block table + plan (tracemalloc peak of plan_blocks) + its rows x 70 B (the
+    PlanIndex columns it would load) + the deal's peak; per node = 8 ranks. Times are taken without tracemalloc.
+    """
+    from shardtrain.load.blockplan import make_blocks, plan_blocks, rank_batches
+    from shardtrain.load.plan import BucketConfig
+
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    dur = np.sort(np.clip(rng.lognormal(np.log(8.0), 0.6, n), 0.5, 35.0))  # as synthetic_columns
+    size = (dur * 16000 * 2 * 0.55).astype(np.int64) + 1536
+    blocks = make_blocks(dur, size, block_s, max_batch_seconds)
+    del size
+    out: dict = {"rows": n, "blocks": len(blocks), "gen_and_block_s": round(time.perf_counter() - t0, 2),
+                 "block_table_mb": round(sum(getattr(blocks, f).nbytes for f in blocks.__slots__) / 2**20, 1)}
+    cfg = BucketConfig(max_batch_seconds=max_batch_seconds)
+    for ws in world_sizes:
+        t0 = time.perf_counter()
+        plan = plan_blocks(blocks, seed=seed, epoch=1, world_size=ws, cfg=cfg)
+        plan_s = time.perf_counter() - t0  # timed without tracemalloc (it slows numpy allocations several-fold)
+        tracemalloc.start()
+        plan_blocks(blocks, seed=seed, epoch=1, world_size=ws, cfg=cfg)
+        _, plan_peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        once = len(plan.seq) == len(np.unique(plan.seq)) == int((~blocks.too_long).sum())
+        equal = len(plan.bounds) - 1 == len(plan.group_m) * ws  # every group has a chunk for every rank
+        ranks = sorted({int(r) for r in np.linspace(0, ws - 1, min(ws, sim_ranks))})
+        deal_s, rank_rows, over, deal_peak = [], [], 0, 0
+        for r in ranks:
+            t0 = time.perf_counter()
+            batches = rank_batches(plan, blocks, lambda x: dur[x], r, seed)
+            deal_s.append(time.perf_counter() - t0)
+            if r == ranks[0]:
+                tracemalloc.start()
+                rank_batches(plan, blocks, lambda x: dur[x], r, seed)
+                deal_peak = max(deal_peak, tracemalloc.get_traced_memory()[1])
+                tracemalloc.stop()
+            rank_rows.append(sum(len(b) for b in batches))
+            over += sum(float(dur[b].sum()) > max_batch_seconds + 1e-9 for b in batches)
+            equal = equal and len(batches) == plan.steps
+        rows_mb = max(rank_rows) * 70 / 2**20
+        per_rank_mb = out["block_table_mb"] + plan_peak / 2**20 + rows_mb + deal_peak / 2**20
+        real = sum(float(dur[b].sum()) for b in batches)
+        out[f"ws{ws}"] = {"plan_s": round(plan_s, 3), "deal_s": round(statistics.median(deal_s), 3),
+                          "epoch_plan_s": round(plan_s + max(deal_s), 3), "steps": plan.steps,
+                          "rows_per_rank": max(rank_rows), "ranks_dealt": len(ranks),
+                          "plan_heap_mb": round(plan_peak / 2**20, 1), "rank_rows_mb": round(rows_mb, 1),
+                          "per_rank_mb": round(per_rank_mb, 1), "per_node_mb": round(8 * per_rank_mb, 1),
+                          "fill": round(real / (len(batches) * max_batch_seconds), 3), "exactly_once": bool(once),
+                          "equal_steps": bool(equal), "over_budget_batches": int(over)}
+        log.info("simulate %d rows ws=%d: %s", n, ws, out[f"ws{ws}"])
+    return out
+
+
+def simulate(args: argparse.Namespace) -> dict:
+    rows = []
+    for n in args.rows:
+        wss = [w for w in args.world_sizes if n * 8.0 / args.block_s >= 2 * w and (w > 1 or n <= 2_000_000)]
+        rows.append(common.run_isolated("bench_plan_scale", "simulate_one", {
+            "n": n, "world_sizes": wss, "max_batch_seconds": args.max_batch_seconds,
+            "block_s": args.block_s, "sim_ranks": args.sim_ranks}, timeout_s=3600))
+    table = [{"rows": f"{r['rows']:,}", "blocks": f"{r['blocks']:,}", "table": r["block_table_mb"], "ws": ws,
+              **{k: r[f"ws{ws}"][k] for k in ("plan_s", "deal_s", "epoch_plan_s", "steps", "rows_per_rank",
+                                              "per_node_mb", "fill", "exactly_once", "equal_steps",
+                                              "over_budget_batches", "ranks_dealt")}}
+             for r in rows for ws in args.world_sizes if f"ws{ws}" in r]
+    md = common.markdown_table(table, [
+        ("rows", "index rows"), ("blocks", "blocks"), ("table", "block table MB"), ("ws", "ranks"),
+        ("plan_s", "plan_blocks s"), ("deal_s", "rank deal s"), ("epoch_plan_s", "plan per epoch s"),
+        ("steps", "steps"), ("rows_per_rank", "rows per rank"), ("per_node_mb", "planning MB per node (8 ranks)"),
+        ("fill", "batch fill"), ("exactly_once", "exactly once"), ("equal_steps", "equal steps"),
+        ("over_budget_batches", "over budget"), ("ranks_dealt", "ranks dealt")])
+    result = {"benchmark": "bench_plan_scale --simulate", "git_sha": common.git_sha(), "machine": common.machine(),
+              "config": vars(args), "simulate": rows}
+    out_dir = Path(args.out_dir)
+    common.write_json(out_dir / "plan_scale_simulate.json", result)
+    (out_dir / "plan_scale_simulate.md").write_text(md + "\n")
+    print(md)
+    print(common.json_line({"git_sha": result["git_sha"], "simulate": rows}))
+    return result
+
+
 def main(args: argparse.Namespace) -> dict:
+    if args.simulate:
+        return simulate(args)
     work = Path(args.work_dir)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -197,11 +288,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work-dir", default=str(common.DEFAULT_WORK_DIR))
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--quick", action="store_true", help="1k-100k rows, 400 utterances of audio")
+    ap.add_argument("--simulate", action="store_true",
+                    help="the block-level planner (load/blockplan.py) for --rows x --world-sizes; defaults 1k..100M "
+                         "rows and 1..1,024 ranks")
+    ap.add_argument("--block-s", type=float, default=600.0, help="audio seconds per block for --simulate")
+    ap.add_argument("--sim-ranks", type=int, default=3, help="ranks per world size whose rows are dealt for real")
     args = ap.parse_args(argv)
     if args.out_dir is None:
         args.out_dir = str(common.BENCH_DIR / "results" / ("quick" if args.quick else ""))
     if args.quick:
         args.rows, args.audio_sizes, args.repeats = [r for r in args.rows if r <= 100_000], [400], 1
+    if args.simulate and "--rows" not in (argv or sys.argv):
+        args.rows = [1_000, 100_000, 1_000_000, 10_000_000, 100_000_000]
+    if args.simulate and "--world-sizes" not in (argv or sys.argv):
+        args.world_sizes = [1, 8, 64, 1024]
     return args
 
 

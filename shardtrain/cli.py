@@ -335,7 +335,11 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model (one process or under torchrun)",
                        description="Train a CTC recogniser on streamed shards. Under torchrun, rank and world size "
                                    "come from its environment; on a torchrun restart the run resumes by itself.")
-    p.add_argument("--data", required=True, help="training dataset URL (path, file://, s3://)")
+    p.add_argument("--data", required=True, action="append",
+                   help="training dataset URL (path, file://, s3://); repeat it to train on a weighted mixture")
+    p.add_argument("--weight", type=float, action="append", default=[],
+                   help="weight of each --data, in order (once per --data; default equal): per epoch a dataset gives "
+                        "weight / sum of weights of the audio, every sample once before any repeats")
     p.add_argument("--val-data", default="", help="validation dataset URL (omit to skip validation)")
     p.add_argument("--pipeline", default="tiny_cpu", help="preset: a name in pipelines/ (tiny_cpu, librispeech_base), module:function, or path/file.py:function")
     p.add_argument("--max-steps", type=int, default=None, help="optimiser steps (overrides the preset)")
@@ -362,7 +366,9 @@ def _cmd_train(args) -> int:
     init_logging(world.rank, args.verbose)
     try:
         cfg = apply_overrides(load_pipeline(args.pipeline), args.overrides)
-        paths = {"data_url": args.data, "val_data_url": args.val_data, "out_dir": args.out}
+        paths = {"data_url": args.data[0], "val_data_url": args.val_data, "out_dir": args.out}
+        if len(args.data) > 1 or args.weight:
+            paths.update(mix_urls=tuple(args.data[1:]), mix_weights=tuple(args.weight))
         if args.max_steps is not None:
             paths["max_steps"] = args.max_steps
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **paths))

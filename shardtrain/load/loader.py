@@ -19,13 +19,14 @@ size are recomputed from the (pure) plan and excluded (`chain` in the state).
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Generator, Iterator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
@@ -79,12 +80,20 @@ class _Cursor:
     chain: tuple = ()
 
 
-def _chunk_schedule(idx: PlanIndex, seed: int, world: World, cfg: StreamConfig,
+IndexSource = PlanIndex | Callable[[int], PlanIndex]
+"""One index for every epoch, or one per epoch (a mixture's virtual rows: load/mixloader.py)."""
+
+
+def index_at(idx: IndexSource, epoch: int) -> PlanIndex:
+    return idx(epoch) if callable(idx) else idx
+
+
+def _chunk_schedule(idx: IndexSource, seed: int, world: World, cfg: StreamConfig,
                     start: _Cursor) -> Iterator[tuple[int, int, Chunk, int]]:
     """(epoch, first step of chunk, chunk, batches to skip) for this rank from `start`, in plan order."""
     epoch, step, chain = start.epoch, start.step, start.chain
     while cfg.epochs is None or epoch < cfg.epochs:
-        plan = epoch_plan(idx, seed, epoch, world.world_size, cfg.bucket, chain)
+        plan = epoch_plan(index_at(idx, epoch), seed, epoch, world.world_size, cfg.bucket, chain)
         if plan.steps == 0 and not chain:  # a full epoch without a batch: every later one is the same
             raise StreamError(f"epoch {epoch} has no batch to plan (every sample excluded); stopping")
         first = 0
@@ -103,20 +112,24 @@ class ChunkStream(torch.utils.data.IterableDataset):
     w, w+N, ... of the schedule, so DataLoader's round-robin yields them in schedule order.
     """
 
-    def __init__(self, ds: Dataset, idx: PlanIndex, seed: int, world: World, cfg: StreamConfig, start: _Cursor):
+    def __init__(self, ds: Dataset, idx: IndexSource, seed: int, world: World, cfg: StreamConfig, start: _Cursor):
         self.ds, self.idx, self.seed, self.world, self.cfg, self.start = ds, idx, seed, world, cfg, start
 
     def __iter__(self) -> Iterator[ChunkBatches]:
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        reader = ChunkReader(self.ds, self.idx, self.cfg)
+        reader = ChunkReader(self.ds, index_at(self.idx, self.start.epoch), self.cfg)
         pending: list[Future] = []
         sched = _chunk_schedule(self.idx, self.seed, self.world, self.cfg, self.start)
         mine = ((j, item) for j, item in enumerate(sched) if j % nw == wid)
         try:
             for j, (epoch, first, chunk, skip) in mine:
                 as_float = info is None and self.cfg.pcm_dtype == "float32"
-                pending.append(reader.io_pool.submit(reader.load, chunk, epoch, first, skip, as_float, j))
+                rd = reader
+                if callable(self.idx):  # a per-epoch index: a view of the reader (same pools) over this epoch's
+                    rd = copy.copy(reader)
+                    rd.idx = self.idx(epoch)
+                pending.append(reader.io_pool.submit(rd.load, chunk, epoch, first, skip, as_float, j))
                 if len(pending) >= self.cfg.prefetch_chunks:
                     yield pending.pop(0).result()
             while pending:
@@ -276,7 +289,13 @@ class Loader:
                 yield batch, self.state_dict()
 
 
-def build_loader(url: str, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
+def build_loader(url: str | list | tuple, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
                  storage_options: dict | None = None) -> Loader:
-    """The loader for one rank. Reads manifest.json and index.parquet (numeric columns) once; no audio yet."""
+    """The loader for one rank. Reads manifest.json and index.parquet (numeric columns) once; no audio yet.
+
+    `url` may be a list of datasets, each a URL or (URL, weight): a weighted mixture (load/mixloader.py)."""
+    if isinstance(url, (list, tuple)):
+        from shardtrain.load.mixloader import build_mixture
+
+        return build_mixture(url, world=world, seed=seed, cfg=cfg, state=state, storage_options=storage_options)
     return Loader(url, world=world, seed=seed, cfg=cfg, state=state, storage_options=storage_options)

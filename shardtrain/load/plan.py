@@ -3,7 +3,8 @@
     index.parquet (shard, offset, size, audio_offset, audio_size, duration_s; rows sorted by duration)
       -> duration buckets (bins with equal total audio, or given)                     -> contiguous row ranges
       -> chunks: each bucket cut into a multiple of `world_size` pieces of equal audio -> [Chunk(rows)]
-         (one ranged read of `batches_per_chunk` batches each; cut points shift every epoch by a random phase)
+         (`batches_per_chunk` batches each; a chunk is k runs of ~`run_mb` from random places of its bucket,
+         cut at a random phase every epoch, so batch composition changes per epoch; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
       -> batches: every chunk of a group is shuffled and dealt into the same number M_g of batches
          under the budget                                                           -> Chunk.batches
@@ -15,9 +16,11 @@ Why this shape:
 - Exactly once: every non-excluded row lands in exactly one chunk and one batch. The only rows left out are
   those that alone exceed the batch budget (counted as `too_long`) or, when the corpus has fewer samples than
   ranks, all of them (refused with an error instead).
-- Locality: a chunk is a contiguous run of the duration-sorted index (at most a few byte ranges), so a reader
-  fetches it with one large sequential read, and shuffling inside it keeps padding small (neighbours in
-  duration order have near-equal length).
+- Locality: a chunk is a few contiguous runs of the duration-sorted index (~1 MB each), so a reader fetches it
+  with a few large sequential reads; shuffling inside one duration bucket keeps padding small.
+- Variety (design invariant 9): the pairs sharing a batch again next epoch are about as few as with a uniform
+  shuffle in the same buckets (about B / N for batches of B in a bucket of N), plus run-mates: ~L x B / C^2 for
+  runs of L rows in chunks of C rows (batches_per_chunk=4 keeps it small; benchmarks/bench_shuffle.py).
 - Worker independence: a rank's batch sequence is fixed before any worker exists; workers take whole chunks
   round-robin (`chunks[w::num_workers]`), and DataLoader's round-robin order restores the sequence.
 
@@ -54,11 +57,16 @@ class BucketConfig:
     """Duration buckets; bins hold equal total audio and are estimated from the index unless `bins_s` is set."""
     bins_s: tuple[float, ...] | None = None
     """Hand-set bucket edges in seconds (ascending, interior edges only)."""
-    batches_per_chunk: int = 1
-    """Full batches each chunk (one ranged read) is cut to hold. 1: a batch is a contiguous run of the duration
-    order whose boundaries move every epoch (random phase): best padding (0.96 on the 4k-utterance benchmark),
-    least memory, fastest (9,400 audio-s/s on 2 cores). 2+: utterances are shuffled across that many batches
-    (more mixing; padding 0.94 at 2)."""
+    batches_per_chunk: int = 4
+    """Most batches a chunk (what one reader item reads and decodes) holds; fewer, larger chunks mix more. 4: the
+    pair repeat rate across epochs of a uniform in-bucket shuffle on the 4k-utterance benchmark (1: 1.05-1.3x
+    it), padding 0.97; memory ~ prefetch_chunks x 4 decoded batches. With run_mb=0, 1 is the old contiguous
+    batch (padding 0.96, 58% of pairs meet again next epoch)."""
+    run_mb: float = 1.0
+    """Contiguous bytes per read inside a bucket. A chunk gathers its batches from runs of about this size taken
+    from random places of its bucket (re-cut at a random phase every epoch) and deals them at random, so batch
+    composition changes every epoch (pair repeat rate near a uniform in-bucket shuffle) while reads stay large
+    and sequential. 0: a chunk is one contiguous run of the duration order (the same neighbours every epoch)."""
     chunk_mb: float = 64.0
     """Upper bound on bytes per chunk, whatever the batch size (caps read size and memory per chunk)."""
 
@@ -71,6 +79,8 @@ class BucketConfig:
             raise ValueError("stream.bucket.num_buckets must be >= 1")
         if self.chunk_mb <= 0:
             raise ValueError("stream.bucket.chunk_mb must be > 0")
+        if self.run_mb < 0:
+            raise ValueError("stream.bucket.run_mb must be >= 0")
         if self.batches_per_chunk < 1:
             raise ValueError("stream.bucket.batches_per_chunk must be >= 1")
         if self.quadratic_duration_s is not None and self.quadratic_duration_s <= 0:
@@ -175,6 +185,13 @@ def batch_cost(costs: np.ndarray, cfg: BucketConfig) -> float:
     return float(costs.max() * len(costs)) if cfg.padded_budget else float(costs.sum())
 
 
+def _min_bucket_batches(cfg: BucketConfig) -> int:
+    """Batches per rank a bucket must hold at least. Contiguous chunks (run_mb=0) get 8, else small buckets
+    quantise them into part-full batches; mixed chunks deal at random inside their bucket, so padding depends on
+    the bucket's width, and one batch per rank is enough."""
+    return 8 if cfg.run_mb <= 0 else 1
+
+
 def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_size: int) -> list[np.ndarray]:
     """Split duration-sorted `rows` into buckets, merging any bucket with fewer than world_size rows.
 
@@ -185,7 +202,7 @@ def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_s
     if cfg.bins_s is not None:
         edges = np.asarray(cfg.bins_s, float)
     else:
-        fill = float(cost_s(dur[rows], cfg).sum()) / (8 * world_size * cfg.max_batch_seconds)
+        fill = float(cost_s(dur[rows], cfg).sum()) / (_min_bucket_batches(cfg) * world_size * cfg.max_batch_seconds)
         edges = estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill))))
     ids = np.searchsorted(edges, dur[rows], side="right")
     # rows are sorted by duration, so bucket ids are non-decreasing: split at changes
@@ -203,31 +220,30 @@ def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_s
     return merged
 
 
-def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: BucketConfig) -> int:
+def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: BucketConfig,
+                 row_max: float = 0.0) -> int:
     """How many equal chunks to cut a bucket into: a multiple of world_size, at most `batches_per_chunk` batches
     and `chunk_mb` each, and among the few counts that allows, the one whose batches come closest to full
     (a bucket of 2.1 batches cut in 2 gives four half batches; cut in 3 gives three 70% ones)."""
     per_batch = cfg.max_batch_seconds * FILL_TARGET
     lo = max(1, math.ceil(cost / (cfg.batches_per_chunk * per_batch)), math.ceil(nbytes / (cfg.chunk_mb * 1e6)))
     first = math.ceil(lo / world_size) * world_size
+    mixed = cfg.run_mb > 0
+    if mixed:  # a random deal gives some batch one row more than the mean: leave room for the longest
+        per_batch = max(cfg.max_batch_seconds - row_max, 0.5 * cfg.max_batch_seconds)
     best_fill, best_n = -1.0, (rows // world_size) * world_size
     for n in range(first, min(first + 4 * world_size, rows) + 1, world_size):
         per_chunk = cost / n
         fill = per_chunk / (math.ceil(per_chunk / per_batch - 1e-9) * cfg.max_batch_seconds)
-        if fill > best_fill + 1e-9:
+        # mixed chunks: fewer, larger chunks mix more, so more of them must buy clearly fuller batches
+        if fill > best_fill + (0.02 if mixed else 1e-9):
             best_fill, best_n = fill, n
     return best_n
 
 
-def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_size: int, cfg: BucketConfig,
-                rng: np.random.Generator) -> list[np.ndarray]:
-    """Cut a bucket into n (a multiple of world_size) chunks of equal audio, boundaries shifted by a random phase.
-
-    n is chosen so a chunk holds `batches_per_chunk` batches filled to ~95% of the budget (the headroom absorbs
-    the spread of dealing shuffled utterances), and no more than `chunk_mb` bytes. The piece that wraps past the
-    end joins the bucket's first rows: two byte ranges, still one chunk.
-    """
-    n = _chunk_count(float(costs[bucket].sum()), float(idx.size[bucket].sum()), len(bucket), world_size, cfg)
+def _cut_runs(bucket: np.ndarray, costs: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Cut a bucket into n contiguous pieces of equal audio, boundaries shifted by a random phase (some may be
+    empty). The piece that wraps past the end joins the bucket's first rows: two byte ranges, still one piece."""
     cum = np.cumsum(costs[bucket])
     total = cum[-1]
     phase = rng.random()
@@ -235,8 +251,35 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     bounds = np.maximum.accumulate(np.clip(bounds, 0, len(bucket)))
     pieces = [bucket[bounds[i]:bounds[i + 1]] for i in range(n - 1)]
     pieces.append(np.concatenate([bucket[bounds[-1]:], bucket[:bounds[0]]]))
+    return pieces
+
+
+def _runs_per_chunk(nbytes: float, rows: int, n: int, cfg: BucketConfig) -> int:
+    """Runs of about `run_mb` each a chunk gathers (1 without mixing; never more runs than rows)."""
+    if cfg.run_mb <= 0:
+        return 1
+    return max(1, min(rows // n, round(nbytes / n / (cfg.run_mb * 1e6))))
+
+
+def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_size: int, cfg: BucketConfig,
+                rng: np.random.Generator) -> list[np.ndarray]:
+    """Cut a bucket into n (a multiple of world_size) chunks of equal audio.
+
+    n is chosen so a chunk holds `batches_per_chunk` batches filled to ~95% of the budget (the headroom absorbs
+    the spread of dealing shuffled utterances), and no more than `chunk_mb` bytes. Each chunk is k contiguous runs
+    of about `run_mb` (k x n equal-audio runs cut at a random phase, shuffled, cut into n), so which utterances
+    meet in a chunk changes every epoch while every read stays a large sequential one (k = 1 with run_mb=0).
+    """
+    nbytes = float(idx.size[bucket].sum())
+    n = _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
+    k = _runs_per_chunk(nbytes, len(bucket), n, cfg)
+    runs = _cut_runs(bucket, costs, n * k, rng)
+    if k > 1:  # runs in random order, then cut into n chunks of equal audio (a run may straddle two chunks)
+        seq = np.concatenate([runs[j] for j in rng.permutation(len(runs))])
+        cum = np.cumsum(costs[seq])
+        runs = np.split(seq, np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left"))
     # equal-audio cuts can leave a piece empty when a few long rows dominate; rebalance by moving single rows
-    pieces = [np.sort(p) for p in pieces]
+    pieces = [np.sort(p) for p in runs]
     while any(len(p) == 0 for p in pieces):
         empty = next(i for i, p in enumerate(pieces) if len(p) == 0)
         donor = max(range(n), key=lambda i: len(pieces[i]))

@@ -8,7 +8,9 @@
     features.py    log-mel, normalisation, SpecAugment
     model.py       the CTC baseline (Conformer / Transformer encoders) and the model protocol
     text.py        vocabularies, CTC targets, greedy decoding, edit distance
-    checkpoint.py  atomic per-step checkpoints with the loader state
+    checkpoint.py  atomic per-step checkpoints with the loader state (resumable on any world size)
+    elastic.py     resuming on another world size: accumulation and learning rate for the new global batch
+    keylog.py      `train.log_keys`: the keys every step trained on, per rank (audit)
     metrics.py     metrics.jsonl + TensorBoard
     overrides.py   `--set a.b=v` and JSON round trips of the frozen config dataclasses
 """

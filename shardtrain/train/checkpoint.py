@@ -134,17 +134,21 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
 
 
 def load_checkpoint(path: Path, *, rank: int, world_size: int) -> dict:
-    """-> {meta, model, main, rank}. Refuses a checkpoint written by a different world size: the loader state
-    is per rank, and re-striping it is not supported (start a new run with --out elsewhere instead)."""
+    """-> {meta, model, main, rank}. Any world size: `rank` is this rank's own file when the checkpoint has one;
+    a rank the checkpoint did not have gets rank 0's loader state (the same cursor on every rank; the loader
+    re-stripes the rest of the epoch) and no RNG state (`rng_cpu` None: the trainer seeds it). See elastic.py."""
     meta = read_meta(path)
+    own = path / f"rank{rank:05d}.pt"
+    if own.is_file():
+        rank_state = torch.load(own, map_location="cpu", weights_only=True)
+    else:
+        first = torch.load(path / "rank00000.pt", map_location="cpu", weights_only=True)
+        rank_state = {"loader_state": first["loader_state"], "rng_cpu": None, "rng_cuda": None}
     if meta["world_size"] != world_size:
-        raise ValueError(
-            f"checkpoint {path} was written with world_size={meta['world_size']}, this job has {world_size}; "
-            "resume with the same number of processes (torchrun --nproc_per_node/--nnodes)"
-        )
+        log.info("checkpoint %s was written by %d processes, resuming on %d", path, meta["world_size"], world_size)
     return {
         "meta": meta,
         "model": torch.load(path / "model.pt", map_location="cpu", weights_only=True),
         "main": torch.load(path / "train_state.pt", map_location="cpu", weights_only=True),
-        "rank": torch.load(path / f"rank{rank:05d}.pt", map_location="cpu", weights_only=True),
+        "rank": rank_state,
     }

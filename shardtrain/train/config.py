@@ -41,6 +41,11 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 class TrainConfig:
     data_url: str = ""
     """Training dataset URL (path, file://, s3://); `--data`."""
+    mix_urls: tuple[str, ...] = ()
+    """More training datasets, mixed with data_url (repeated `--data`; load/mixloader.py)."""
+    mix_weights: tuple[float, ...] = ()
+    """Weights of data_url and mix_urls in order (`--weight`, once per `--data`); empty = equal weights. Per epoch
+    dataset i contributes weight_i / sum(weights) of the audio; every sample once before any repeats."""
     val_data_url: str = ""
     """Validation dataset URL; empty disables validation; `--val-data`."""
     out_dir: str = ""
@@ -89,6 +94,12 @@ class TrainConfig:
     """Also write TensorBoard events under out_dir/tensorboard."""
     progress: bool = True
     """tqdm progress bar on rank 0 (only when stderr is a terminal)."""
+    elastic_batch: str = "accumulate"
+    """How a resume on another world size answers the changed global batch (train/elastic.py): "accumulate" keeps
+    world size x grad_accum_steps near the checkpoint's and scales lr by what remains, "scale_lr" scales lr
+    linearly with the global batch, "none" changes neither."""
+    log_keys: bool = False
+    """Write the utterance keys of every micro-batch to out_dir/keys/rank{R}.jsonl (audit; train/keylog.py)."""
     qat: bool = False
     """Quantization-aware training: every nn.Linear fake-quantizes its input (uint8) and weight (int8) the way
     ONNX Runtime's dynamic int8 quantization will (see train/qat.py); `shardtrain export --quantize int8`."""
@@ -110,10 +121,25 @@ class TrainConfig:
             raise ValueError("train.tokenizer=sentencepiece needs train.sentencepiece_model=PATH")
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("train.lr must be > 0, train.warmup_steps >= 0, train.min_lr_ratio in [0, 1]")
+        if self.mix_weights and len(self.mix_weights) != 1 + len(self.mix_urls):
+            raise ValueError(f"{len(self.mix_weights)} --weight values for {1 + len(self.mix_urls)} --data datasets; "
+                             "give one --weight per --data, or none for equal weights")
+        if any(not w > 0 for w in self.mix_weights):
+            raise ValueError(f"--weight values must be > 0, got {list(self.mix_weights)}")
+        if self.elastic_batch not in ("accumulate", "scale_lr", "none"):
+            raise ValueError(f"train.elastic_batch must be 'accumulate', 'scale_lr' or 'none', got {self.elastic_batch!r}")
         if self.cpu_threads < 0:
             raise ValueError("train.cpu_threads must be >= 0 (0 = torch default)")
         if self.log_every_steps < 1 or self.keep_last < 0:
             raise ValueError("train.log_every_steps must be >= 1 and train.keep_last >= 0")
+
+
+def data_sources(tc: TrainConfig) -> str | list[tuple[str, float]]:
+    """What build_loader takes: the one URL, or [(url, weight), ...] for a mixture."""
+    if not tc.mix_urls and not tc.mix_weights:
+        return tc.data_url
+    urls = (tc.data_url, *tc.mix_urls)
+    return list(zip(urls, tc.mix_weights or (1.0,) * len(urls)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

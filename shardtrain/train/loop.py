@@ -44,6 +44,8 @@ from tqdm import tqdm
 from shardtrain import faults
 
 from shardtrain.train import checkpoint as ckpt
+from shardtrain.train import elastic
+from shardtrain.train.keylog import KeyLog
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
 from shardtrain.train.evaluate import evaluate
 from shardtrain.train.metrics import MetricsLogger
@@ -53,7 +55,7 @@ from shardtrain.train.qat import enable_qat
 from shardtrain.load.loader import build_loader
 from shardtrain.train.text import CharVocab, SentencePieceVocab, Tokenizer, tokenizer_from_json
 from shardtrain.world import World
-from shardtrain.train.config import RunConfig, TrainConfig
+from shardtrain.train.config import RunConfig, TrainConfig, data_sources
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,9 @@ def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | Non
     if cfg.tokenizer == "sentencepiece":
         return SentencePieceVocab(cfg.sentencepiece_model)
     # rank 0 reads the text column once and broadcasts the character list (not every rank re-reading it)
-    chars = [CharVocab.from_index(cfg.data_url, storage_options).chars if world.is_main else None]
+    urls = (cfg.data_url, *cfg.mix_urls)
+    chars = [sorted(set().union(*(CharVocab.from_index(u, storage_options).chars for u in urls)))
+             if world.is_main else None]
     if world.world_size > 1:
         dist.broadcast_object_list(chars, src=0)
     return CharVocab(chars[0] or [])
@@ -149,6 +153,8 @@ class _Run:
     step: int = 0
     best_val: float = math.inf
     loader_state: dict | None = None
+    resized: elastic.Decision | None = None
+    """Set when the checkpoint came from another world size (elastic.py)."""
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
@@ -174,7 +180,8 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc)),
                scaler=torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16"))
     if state and latest is not None:
-        _load_state(run, state, device)
+        _load_state(run, state, device, seed=tc.seed * 1000 + world.rank)
+        run.resized = elastic.decide(state["meta"], cfg, world.world_size)
         stored, now = state["meta"]["config"], json.loads(json.dumps(to_dict(cfg)))
         changed = sorted(k for k in stored if stored[k] != now.get(k))
         if changed:
@@ -187,7 +194,7 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
     return run
 
 
-def _load_state(run: _Run, state: dict, device: torch.device) -> None:
+def _load_state(run: _Run, state: dict, device: torch.device, seed: int) -> None:
     run.raw_model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["main"]["optimizer"])
     run.scheduler.load_state_dict(state["main"]["scheduler"])
@@ -195,6 +202,9 @@ def _load_state(run: _Run, state: dict, device: torch.device) -> None:
     run.step = int(state["main"]["step"])
     run.best_val = float(state["main"].get("best_val_loss", math.inf))
     run.loader_state = json.loads(state["rank"]["loader_state"])
+    if state["rank"]["rng_cpu"] is None:  # a rank the checkpoint's (smaller) world did not have
+        torch.manual_seed(seed + 7919 * run.step)
+        return
     torch.set_rng_state(state["rank"]["rng_cpu"])
     if device.type == "cuda" and state["rank"].get("rng_cuda") is not None:
         torch.cuda.set_rng_state(state["rank"]["rng_cuda"], device)
@@ -220,9 +230,15 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
         out.mkdir(parents=True, exist_ok=True)
     comm.barrier()
     run = _restore(cfg, world, device, resume, storage_options, out / "checkpoints")
+    if run.resized is not None:
+        cfg = elastic.apply(cfg, run.resized, run.optimizer, run.scheduler)
+        tc = cfg.train
     _write_run_files(cfg, run, out, world, device)
     metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
-    loader = build_loader(tc.data_url, world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
+    if run.resized is not None:
+        metrics.log(run.resized.row(run.step))
+    keylog = KeyLog(out, world.rank, run.step) if tc.log_keys else None
+    loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
                           storage_options=storage_options)
     batches = iter(loader)
     augmenters = Augmenters(cfg, device)
@@ -239,6 +255,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             with torch.random.fork_rng(devices=[]):
                 micro = [next(batches) for _ in range(tc.grad_accum_steps)]
             meter.wait_s += time.perf_counter() - t0  # time spent fetching is data wait
+            if keylog is not None:
+                keylog.write(run.step + 1, micro)
             loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
             run.step += 1
             bar.update(1)
@@ -246,6 +264,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             run.loader_state = micro[-1][1]
             if run.step % tc.log_every_steps == 0 or run.step == tc.max_steps:
                 row = meter.row(run, comm, float(loader.stats()["skipped"]), micro[-1][0].epoch, device)
+                row.update(_dataset_seconds(loader, comm))
                 metrics.log(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
                 last.update(row)
@@ -257,6 +276,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             faults.point(f"train.step.rank{world.rank}", run.step, once_marker=out / f".fault_step_{run.step}.done")
     finally:
         batches.close()  # stops the loader's prefetch threads/workers
+        if keylog is not None:
+            keylog.close()
         bar.close()
         metrics.close()
     return {**last, "step": run.step, "out_dir": str(out)}
@@ -301,6 +322,14 @@ def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.de
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     return loss, global_tokens
+
+
+def _dataset_seconds(loader, comm: Collectives) -> dict:
+    """A mixture's audio seconds per dataset so far, summed over ranks (one small all-reduce): `audio_s/d<i>`."""
+    secs = loader.stats().get("dataset_seconds")
+    if not secs:
+        return {}
+    return {f"audio_s/d{i}": s for i, s in enumerate(comm.sum(list(secs)))}
 
 
 @dataclass(slots=True)
@@ -371,5 +400,7 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
         out / "checkpoints", step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
         rank_state=rank_state, main_state=main_state,
         model_state=run.raw_model.state_dict() if world.is_main else None,
-        meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time()}, keep_last=tc.keep_last)
+        meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time(),
+              "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None},
+        keep_last=tc.keep_last)
     last["checkpoint"] = str(path)
