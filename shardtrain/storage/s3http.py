@@ -14,7 +14,8 @@ Signing:
   s3fs signs (`fs.sign`), so credentials, region and addressing follow the same rules as every other s3fs call.
 
 Errors: 404 -> FileNotFoundError, 403 (after one re-sign) -> PermissionError, a body cut short -> ConnectionError,
-other statuses -> OSError. Retrying is the caller's job (`storage.iter_range` resumes at the byte reached).
+other statuses -> HTTPStatusError (an OSError carrying `.status`; 5xx, 408 and 429 are transient, other 4xx are
+not). Retrying is the caller's job (`storage.iter_range` resumes at the byte reached).
 """
 from __future__ import annotations
 
@@ -56,6 +57,18 @@ _conns = threading.local()
 
 def opts_key(storage_options: dict | None) -> str:
     return json.dumps(storage_options or {}, sort_keys=True, default=str)
+
+
+class HTTPStatusError(OSError):
+    """An S3 answer other than 2xx/403/404/416; `status` tells a transient one (5xx, 408, 429) from a hopeless one."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.status >= 500 or self.status in (408, 429)
 
 
 # ---- signing ----------------------------------------------------------------------------------------------
@@ -198,8 +211,12 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
 def _raise_status(path: str, what: str, parts, conn, resp) -> None:
     body = resp.read(2048).decode("utf-8", "replace")
     _drop(parts, conn)
-    err = {404: FileNotFoundError, 403: PermissionError}.get(resp.status, OSError)
-    raise err(f"s3://{path} {what}: HTTP {resp.status} {resp.reason}: {body[:300]}")
+    msg = f"s3://{path} {what}: HTTP {resp.status} {resp.reason}: {body[:300]}"
+    if resp.status == 404:
+        raise FileNotFoundError(msg)
+    if resp.status == 403:
+        raise PermissionError(msg)
+    raise HTTPStatusError(msg, resp.status)
 
 
 # ---- reads ------------------------------------------------------------------------------------------------
