@@ -79,6 +79,25 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
     return out
 
 
+def _one_line(e: BaseException) -> str:
+    """An error as one line: a DataLoader worker's re-raised error carries the worker's traceback in its
+    message; its last line is the error itself."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
+    last = lines[-1]
+    if len(lines) > 1 and ": " in last and "." in last.split(": ", 1)[0]:  # "pkg.mod.StreamError: message"
+        last = last.split(": ", 1)[1]
+    return last
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """Errors a run reports in one line with their fix (not a traceback): unreadable or refused storage, a
+    broken dataset, too much bad data. Programming errors keep their tracebacks."""
+    from shardtrain.format.manifest import DatasetError
+    from shardtrain.load.reader import StreamError
+
+    return (StreamError, DatasetError, OSError)
+
+
 # ---- pack (owner: pack) -------------------------------------------------------------------------
 def _add_pack(sub) -> None:
     import os
@@ -180,8 +199,11 @@ def _cmd_inspect(args) -> int:
         ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
         summary = inspect(ds)
     except DatasetError as e:
-        print(f"inspect: error: {e}", file=sys.stderr)
+        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:  # storage refused or unreachable: one line naming the URL
+        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     problems = verify(ds, progress=not args.no_progress) if args.verify else None
     if args.json:
         if problems is not None:
@@ -301,9 +323,13 @@ def _cmd_bench(args) -> int:
         pcm_dtype=args.pcm_dtype)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
                         device=args.device)
-    out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
-                       stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
-                       make_augment=_bench_augmenter(args.device) if args.augment else None)
+    try:
+        out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
+                           stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
+                           make_augment=_bench_augmenter(args.device) if args.augment else None)
+    except _run_errors() as e:
+        print(f"bench: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(out))
     else:
@@ -364,14 +390,15 @@ def _cmd_train(args) -> int:
         raise SystemExit(f"train: {e}") from None
     # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    from shardtrain.format.manifest import DatasetError
-    from shardtrain.load.reader import StreamError
-
     try:
         result = train(cfg, world, resume=args.resume or attempt > 0, attempt=attempt,
                        storage_options=_parse_storage_options(args.storage_option) or None)
-    except (ValueError, DatasetError, StreamError) as e:  # config/dataset problems: one line, not a traceback
+    except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
         raise SystemExit(f"train: {e}") from None
+    except _run_errors() as e:  # storage refused/unreachable, bad dataset or resume state: one line per rank
+        where = f" (rank {world.rank})" if world.world_size > 1 else ""
+        print(f"train: error{where}: {_one_line(e)}", file=sys.stderr)
+        return 1
     if world.is_main:
         print(json.dumps(result, sort_keys=True))
     return 0

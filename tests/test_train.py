@@ -23,6 +23,7 @@ from shardtrain import faults
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.load.reader import StreamError
 from shardtrain.train.loop import lr_factor, train
 from shardtrain.world import World
 
@@ -115,8 +116,10 @@ def test_resume_reproduces_uninterrupted_losses_exactly(six_utts, tmp_path, monk
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
-def test_empty_batches_are_skipped_and_counted(six_utts, tmp_path):
-    """A sample that fails to decode leaves an empty batch (max_batch_size=1); training carries on."""
+def test_every_rank_empty_stops_instead_of_stepping(six_utts, tmp_path):
+    """A sample that fails to decode leaves an empty batch (max_batch_size=1). With one rank, that rank is every
+    rank: the run stops with StreamError instead of advancing the step counter and LR schedule on nothing; with
+    the default 1% share the loader stops it even earlier (1 of 6 samples skipped)."""
     data = tmp_path / "corrupt"
     shutil.copytree(six_utts, data)
     index = pq.read_table(data / "index.parquet").to_pylist()
@@ -124,10 +127,13 @@ def test_empty_batches_are_skipped_and_counted(six_utts, tmp_path):
     with open(data / f"shard-{row['shard']:06d}.tar", "r+b") as f:
         f.seek(row["audio_offset"])
         f.write(b"\x00" * row["audio_size"])
-    run(str(data), tmp_path / "run", 8, "stream.bucket.max_batch_size=1", "train.log_every_steps=1", val=False)
-    losses, _ = read_metrics(tmp_path / "run")
-    assert len(losses) == 8 and all(math.isfinite(r["loss"]) for r in losses)
-    assert losses[-1]["skipped"] >= 1
+    with pytest.raises(StreamError, match="every rank got an empty batch for step"):
+        run(str(data), tmp_path / "run", 8, "stream.bucket.max_batch_size=1", "train.log_every_steps=1",
+            "stream.max_skipped_share=0.5", val=False)
+    losses, _ = read_metrics(tmp_path / "run") if (tmp_path / "run" / "metrics.jsonl").exists() else ([], [])
+    assert [r["step"] for r in losses] == list(range(1, len(losses) + 1)) and len(losses) < 8
+    with pytest.raises(StreamError, match="skipped as bad data"):
+        run(str(data), tmp_path / "run2", 8, "stream.bucket.max_batch_size=1", val=False)
 
 
 def _save(root: Path, step: int, numel: int = 1 << 20) -> None:

@@ -211,12 +211,20 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
 def _raise_status(path: str, what: str, parts, conn, resp) -> None:
     body = resp.read(2048).decode("utf-8", "replace")
     _drop(parts, conn)
-    msg = f"s3://{path} {what}: HTTP {resp.status} {resp.reason}: {body[:300]}"
+    msg = f"s3://{path} {what}: HTTP {resp.status} {resp.reason}: {_error_text(body)}"
     if resp.status == 404:
         raise FileNotFoundError(msg)
     if resp.status == 403:
         raise PermissionError(msg)
     raise HTTPStatusError(msg, resp.status)
+
+
+def _error_text(body: str) -> str:
+    """One line from an S3 error body: "Code: Message" from the XML, else the body's first 300 characters."""
+    code, message = (re.search(f"<{t}>(.*?)</{t}>", body, re.S) for t in ("Code", "Message"))
+    if code:
+        return f"{code.group(1)}: {message.group(1) if message else ''}".strip()
+    return " ".join(body.split())[:300]
 
 
 # ---- reads ------------------------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ Many GPUs (NCCL), restarting from the last checkpoint when a rank dies:
 
 Empty batches (every sample of a planned batch failed to decode) still take part in the step: the rank runs
 the model on a half-second silent dummy and multiplies its loss by 0, so DDP's gradient all-reduce always sees
-every rank. If no rank has a single target token in a step, all ranks skip the optimiser step together.
+every rank. If no rank has a single target token in a step, all ranks skip the optimiser step together, and
+neither the step counter nor the LR schedule advances; if every rank's batch is empty, all ranks stop with
+StreamError (the data is gone, not just thin). Storage that stays down past `stream.retry_budget_s`, refused
+credentials or a missing shard raise StreamError from the loader: the run stops, to be resumed.
 Resume is bit-exact on CPU: the loader state of the last consumed batch, the torch RNG state of every rank,
 model, optimiser, scheduler and scaler are restored, and augmentation randomness depends only on
 (seed, epoch, step, rank).
@@ -50,6 +53,7 @@ from shardtrain.train.metrics import MetricsLogger
 from shardtrain.train.model import build_model, num_parameters
 from shardtrain.train.overrides import to_dict
 from shardtrain.load.loader import build_loader
+from shardtrain.load.reader import StreamError
 from shardtrain.train.text import CharVocab, SentencePieceVocab, Tokenizer, tokenizer_from_json
 from shardtrain.world import World
 from shardtrain.train.config import RunConfig, TrainConfig
@@ -236,6 +240,9 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                 micro = [next(batches) for _ in range(tc.grad_accum_steps)]
             meter.wait_s += time.perf_counter() - t0  # time spent fetching is data wait
             loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
+            if global_tokens <= 0:  # no target token on any rank: no step, no schedule, nothing to log or save
+                run.loader_state = micro[-1][1]
+                continue
             run.step += 1
             bar.update(1)
             meter.add(loss, global_tokens, sum(float(b.durations_s.sum()) for b, _ in micro))
@@ -266,7 +273,13 @@ def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.de
     tc = cfg.train
     encoded = [to_device(b, device, run.tok) for b, _ in micro]
     local_tokens = float(sum(e[2].numel() for e in encoded))  # shape only: no device sync
-    (global_tokens,) = comm.sum([local_tokens])  # the loss denominator: every token of every rank
+    local_samples = float(sum(len(b) for b, _ in micro))
+    # the loss denominator (every token of every rank) and the samples, in one all-reduce
+    global_tokens, global_samples = comm.sum([local_tokens, local_samples])
+    if global_samples == 0:
+        b = micro[-1][0]
+        raise StreamError(f"every rank got an empty batch for step {run.step + 1} (epoch {b.epoch}, batch "
+                          f"{b.step}): no sample could be read or decoded; see the skipped samples logged above")
     loss = 0.0
     if global_tokens > 0:
         loss_acc = torch.zeros((), device=device)
@@ -292,10 +305,10 @@ def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.de
         run.scaler.step(run.optimizer)
         run.scaler.update()
         loss = float(loss_acc)  # device->host sync once per step
-    else:
+        run.scheduler.step()
+    else:  # the step counter and the LR schedule do not move for a step that saw no data (see _train)
         log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
     run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
     return loss, global_tokens
 
 

@@ -138,21 +138,85 @@ def test_outage_past_budget_stops_naming_the_url(server):
     del errors
 
 
-def test_revoked_keys_stop_with_403(server):
-    """The server comes back with other keys: not an outage to wait out but a refusal, raised at once."""
-    s3, url, so = server
-    s3http._signed.clear()
+# ---- `shardtrain train` end to end --------------------------------------------------------------------------
+TRAIN = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.augment=false",
+         "train.warmup_steps=3", "stream.bucket.max_batch_seconds=6", "stream.bucket.num_buckets=4",
+         "stream.bucket.chunk_mb=0.05", "train.tensorboard=false", "train.log_every_steps=1",
+         "train.cpu_threads=1", "stream.prefetch_chunks=1"]
+
+
+def start_train(s3: LocalS3, url: str, out: Path, steps: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    sets = [a for x in TRAIN + list(extra) for a in ("--set", x)]
+    cmd = [sys.executable, "-m", "shardtrain", "train", "--data", url, "--out", str(out), "--pipeline", "tiny_cpu",
+           "--max-steps", str(steps), *sets]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def steps_logged(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if '"loss"' in x]
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not any(r["step"] >= step for r in steps_logged(out)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() - t0 < timeout_s, "training never reached the step"
+        time.sleep(0.1)
+
+
+def test_train_rides_out_outage_and_stops_on_refusal(server, tmp_path):
+    """`shardtrain train` (a real process): a 15 s outage at step 2 costs time only (every step logged once,
+    nothing skipped, exit 0); then the server comes back with other keys during a second run, which stops
+    non-zero with one line naming 403 and the shard URL."""
+    s3, url, _ = server
+    out = tmp_path / "run"
+    proc = start_train(s3, url, out, 20)
+    wait_for_step(proc, out, 2)
+    t0 = time.monotonic()
+    timeline = restart(s3, OUTAGE_S)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    rows = steps_logged(out)
+    assert [r["step"] for r in rows] == list(range(1, 21)), "a step was skipped or repeated"
+    assert rows[-1]["skipped"] == 0 and "retry" in err
+    print(f"\nOUTAGE train: outage {timeline['back_after_s']:.1f} s, run finished {time.monotonic() - t0:.1f} s "
+          f"after the crash; max data wait {max(r['data_wait_pct'] for r in rows):.0f}%")
+
     old = (s3.access_key, s3.secret_key)
-    second = threading.Event()
-    t, out = in_background(consume, url, so, on_batch=lambda i: i == 1 and second.set())
+    out2 = tmp_path / "revoked"
+    proc = start_train(s3, url, out2, 40)
     try:
-        assert second.wait(60)
+        wait_for_step(proc, out2, 2)
         restart(s3, 0.0, access_key="otherkey", secret_key="other-secret")
-        t0 = time.monotonic()
-        t.join(120)
-        assert time.monotonic() - t0 < 60.0
+        t1 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t1
     finally:
         restart(s3, 0.0, access_key=old[0], secret_key=old[1])
-    assert isinstance(out.get("error"), StreamError), out
-    msg = str(out["error"])
-    assert "403" in msg and "access denied" in msg and f"{url}/shard-" in msg
+    assert proc.returncode == 1 and took < 60, (proc.returncode, took)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("train: error: cannot read shard s3://outage/ds/shard-"), err[-2000:]
+    assert "403" in last and "access denied" in last
+    assert "Traceback" not in err
+    assert max(r["step"] for r in steps_logged(out2)) < 40
+
+
+def test_train_outage_past_budget_exits_nonzero(server, tmp_path):
+    """An outage longer than a 5 s retry budget: exit 1, one line naming the shard URL and the budget."""
+    s3, url, _ = server
+    out = tmp_path / "run"
+    proc = start_train(s3, url, out, 40, "stream.retry_budget_s=5")
+    try:
+        wait_for_step(proc, out, 2)
+        s3.crash()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        s3.start()
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("train: error: cannot read shard s3://outage/ds/shard-"), err[-2000:]
+    assert "retry budget 5 s" in last and "Traceback" not in err
