@@ -24,6 +24,7 @@ import http.client
 import logging
 import os
 import random
+import ssl
 import time
 import uuid
 from pathlib import Path
@@ -50,8 +51,10 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     IsADirectoryError,
     NotADirectoryError,
     EOFError,
+    ssl.SSLCertVerificationError,
 )
-"""Storage errors that a retry cannot fix (a missing object, refused credentials, a path that is a folder)."""
+"""Storage errors that a retry cannot fix (a missing object, refused credentials, a path that is a folder, a
+server certificate the trust store rejects)."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, http.client.HTTPException)
 """Network errors worth retrying: refused/reset/aborted connections, timeouts, a response cut short."""
 _NETWORK_MODULES = ("aiohttp", "botocore", "aiobotocore", "urllib3", "s3fs")
@@ -140,10 +143,24 @@ def _protocol(url: str) -> str:
     return url.split("://", 1)[0] if "://" in url else "file"
 
 
-def _direct_s3_key(url: str | os.PathLike, direct_http: bool) -> str | None:
-    """"bucket/key" when `url` is read over direct HTTP (an s3:// URL and `direct_http`), else None."""
+_direct_verdict: dict[str, str | None] = {}
+"""storage options (opts_key) -> why direct HTTP is not used for them (None: it is); decided once per process."""
+
+
+def _direct_s3_key(url: str | os.PathLike, direct_http: bool, storage_options: dict | None) -> str | None:
+    """"bucket/key" when `url` is read over direct HTTP (an s3:// URL, `direct_http`, and options the direct
+    path handles right: s3http.direct_unsupported), else None (s3fs reads it)."""
     url = str(url)
-    return url.split("://", 1)[1] if direct_http and _protocol(url) in ("s3", "s3a") else None
+    if not (direct_http and _protocol(url) in ("s3", "s3a")):
+        return None
+    okey = s3http.opts_key(storage_options)
+    if okey not in _direct_verdict:
+        _direct_verdict[okey] = why = s3http.direct_unsupported(storage_options)
+        if why is not None:
+            log.info("reading s3:// through s3fs, not direct HTTP: the storage options need %s", why)
+    if _direct_verdict[okey] is not None:
+        return None
+    return url.split("://", 1)[1]
 
 
 def _s3fs_factory(url: str | os.PathLike, storage_options: dict | None):
@@ -214,7 +231,7 @@ def remove(url: str | os.PathLike, storage_options: dict | None = None, *, recur
 
 def read_bytes(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False) -> bytes:
     """Whole small object (manifest, markers). Large shards go through `read_range`."""
-    if _direct_s3_key(url, direct_http) is not None:
+    if _direct_s3_key(url, direct_http, storage_options) is not None:
         return read_range(url, 0, None, storage_options, direct_http=True)
     fs, path = fs_and_path(url, storage_options)
     return fs.cat_file(path)
@@ -292,7 +309,7 @@ def iter_range(
     if start < 0 or (end is not None and end < start):
         raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
     backoff = Backoff(str(url), budget_s=budget_s, retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
-    key = _direct_s3_key(url, direct_http)
+    key = _direct_s3_key(url, direct_http, storage_options)
     if key is not None:
         sign_with = _s3fs_factory(url, storage_options)
 
@@ -333,7 +350,7 @@ def presign(urls: list[str], storage_options: dict | None = None) -> None:
     """Sign `urls` (s3://) for `iter_range(direct_http=True)` ahead of time (~20 us each signed locally, ~0.25 ms
     by s3fs). Why: a DataLoader worker forked afterwards finds them signed and needs no S3 client of its own."""
     for url in urls:
-        key = _direct_s3_key(url, True)
+        key = _direct_s3_key(url, True, storage_options)
         if key is not None:
             s3http.presigned(key, storage_options, _s3fs_factory(url, storage_options))
 
@@ -341,7 +358,7 @@ def presign(urls: list[str], storage_options: dict | None = None) -> None:
 def open_ranged(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False,
                 retries: int | None = None, budget_s: float = RETRY_BUDGET_S, backoff_s: float = 0.2):
     """A read-only seekable binary file for random access (Parquet): s3fs's, or over direct HTTP ranged GETs."""
-    key = _direct_s3_key(url, direct_http)
+    key = _direct_s3_key(url, direct_http, storage_options)
     if key is not None:
         def block(a: int, b: int) -> bytes:
             return read_range(url, a, b, storage_options, direct_http=True, retries=retries, budget_s=budget_s,
