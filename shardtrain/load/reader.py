@@ -96,11 +96,10 @@ class ChunkReader:
         kw: dict[str, Any] = dict(retries=self.cfg.retries, budget_s=self.cfg.retry_budget_s,
                                   piece_bytes=int(self.cfg.piece_mb * (1 << 20)), backoff_s=self.cfg.retry_backoff_s,
                                   direct_http=self.cfg.s3_direct_http)
-        if self.cache is not None:
+        if self.cache is not None:  # streamed to local disk on a miss; read from an open file (safe to evict)
             info = self.ds.shards[shard]
-            url = self.cache.path(info.name, info.sha256, info.bytes,
-                                  lambda: storage.read_range(url, 0, None, so, **kw))
-            so = None
+            return self.cache.read(info.name, info.sha256, info.bytes, lambda: storage.iter_range(url, 0, None, so, **kw),
+                                   start, end, kw["piece_bytes"])
         return storage.iter_range(url, start, end, so, allow_short=True, **kw)
 
     def _read_failed(self, shard: int, e: OSError) -> StreamError:
