@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from shardtrain import faults
+from shardtrain import faults, storage
 
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
@@ -155,14 +155,15 @@ class _Run:
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
-             ckpt_dir: Path) -> _Run:
+             ckpt_dir: Path | str) -> _Run:
     """Build model, optimiser, scheduler and scaler, from the latest checkpoint when resuming."""
     tc = cfg.train
-    latest = ckpt.latest_checkpoint(ckpt_dir)
+    latest = ckpt.latest_checkpoint(ckpt_dir, storage_options)
     if latest is not None and not resume:
-        raise ValueError(f"{ckpt_dir.parent} already holds checkpoints ({latest.name}); pass --resume to continue "
-                         "it, or choose a new --out")
-    state = ckpt.load_checkpoint(latest, rank=world.rank, world_size=world.world_size) if resume and latest else None
+        raise ValueError(f"{os.path.dirname(str(ckpt_dir))} already holds checkpoints "
+                         f"({os.path.basename(str(latest))}); pass --resume to continue it, or choose a new --out")
+    state = (ckpt.load_checkpoint(latest, rank=world.rank, world_size=world.world_size,
+                                  storage_options=storage_options) if resume and latest else None)
     if resume and state is None:
         log.info("--resume: no checkpoint in %s yet; starting from scratch", ckpt_dir)
 
@@ -178,7 +179,7 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
         stored, now = state["meta"]["config"], json.loads(json.dumps(to_dict(cfg)))
         changed = sorted(k for k in stored if stored[k] != now.get(k))
         if changed:
-            log.warning("resuming %s with a changed config in sections %s", latest.name, changed)
+            log.warning("resuming %s with a changed config in sections %s", os.path.basename(str(latest)), changed)
         log.info("resumed from %s at step %d", latest, run.step)
     else:
         torch.manual_seed(tc.seed * 1000 + world.rank)  # dropout streams differ per rank
@@ -214,12 +215,14 @@ def _write_run_files(cfg: RunConfig, run: _Run, out: Path, world: World, device:
 
 def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None) -> dict:
     tc = cfg.train
-    out = Path(tc.out_dir)
+    out, ckpt_dir = _run_dirs(tc.out_dir)
     comm = Collectives(world, device)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        if ckpt.is_remote(tc.out_dir):
+            _fetch_run_files(tc.out_dir, out, storage_options)
     comm.barrier()
-    run = _restore(cfg, world, device, resume, storage_options, out / "checkpoints")
+    run = _restore(cfg, world, device, resume, storage_options, ckpt_dir)
     _write_run_files(cfg, run, out, world, device)
     metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
     loader = build_loader(tc.data_url, world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
@@ -254,7 +257,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                 last.update(row)
             t_pause = time.perf_counter()
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
-            _maybe_checkpoint(cfg, run, world, device, comm, out, val_loss, last)
+            _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, storage_options)
             meter.pause_s += time.perf_counter() - t_pause
             # the fault seam: after any checkpoint of this step, so a test can crash right after a save
             faults.point(f"train.step.rank{world.rank}", run.step, once_marker=out / f".fault_step_{run.step}.done")
@@ -262,7 +265,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
         batches.close()  # stops the loader's prefetch threads/workers
         bar.close()
         metrics.close()
-    return {**last, "step": run.step, "out_dir": str(out)}
+    return {**last, "step": run.step, "out_dir": tc.out_dir}
 
 
 def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.device, comm: Collectives,
@@ -364,8 +367,9 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     return val_loss
 
 
-def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives, out: Path,
-                      val_loss: float | None, last: dict) -> None:
+def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
+                      ckpt_dir: Path | str, val_loss: float | None, last: dict,
+                      storage_options: dict | None = None) -> None:
     """Save every `ckpt_every_steps` and at the end (all ranks take part: each writes its own RNG + loader state)."""
     tc = cfg.train
     if not (run.step == tc.max_steps or (tc.ckpt_every_steps and run.step % tc.ckpt_every_steps == 0)):
@@ -377,8 +381,47 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
                   "scaler": run.scaler.state_dict(), "step": run.step, "best_val_loss": run.best_val,
                   "tokenizer": run.tok.to_json()} if world.is_main else None
     path = ckpt.save_checkpoint(
-        out / "checkpoints", step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
+        ckpt_dir, step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
         rank_state=rank_state, main_state=main_state,
         model_state=run.raw_model.state_dict() if world.is_main else None,
-        meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time()}, keep_last=tc.keep_last)
+        meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time()}, keep_last=tc.keep_last,
+        storage_options=storage_options)
     last["checkpoint"] = str(path)
+    if world.is_main and ckpt.is_remote(tc.out_dir):
+        _push_run_files(_run_dirs(tc.out_dir)[0], tc.out_dir, storage_options)
+
+
+# run files (config.json, vocab.json, metrics.jsonl) mirrored to an object-store --out at each checkpoint
+_RUN_FILES = ("config.json", "vocab.json", "metrics.jsonl")
+
+
+def _run_dirs(out_dir: str) -> tuple[Path, Path | str]:
+    """(local run folder, checkpoint folder or URL). With an object-store --out (s3://bucket/run), metrics and
+    TensorBoard are written to a local mirror (TMPDIR/shardtrain-runs/bucket/run), copied up at each checkpoint;
+    checkpoints go straight to s3://bucket/run/checkpoints (committed by their meta.json)."""
+    if not ckpt.is_remote(out_dir):
+        return Path(out_dir), Path(out_dir) / "checkpoints"
+    import tempfile
+
+    local = Path(tempfile.gettempdir()) / "shardtrain-runs" / out_dir.split("://", 1)[1].strip("/")
+    return local, storage.join(out_dir, "checkpoints")
+
+
+def _push_run_files(local: Path, url: str, storage_options: dict | None) -> None:
+    for name in _RUN_FILES:
+        if (local / name).is_file():
+            storage.atomic_write_bytes(storage.join(url, name), (local / name).read_bytes(), storage_options)
+
+
+def _fetch_run_files(url: str, local: Path, storage_options: dict | None) -> None:
+    """A resume on a fresh node: bring back the run files the last checkpoint copied up (metrics continue). A new
+    run (nothing up there yet) starts from an empty local mirror, whatever an earlier run with this URL left."""
+    names = set(storage.ls_names(url, storage_options))
+    if not names & set(_RUN_FILES):
+        import shutil
+
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True, exist_ok=True)
+    for name in _RUN_FILES:
+        if name in names and not (local / name).exists():
+            (local / name).write_bytes(storage.read_bytes(storage.join(url, name), storage_options))
