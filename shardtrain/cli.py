@@ -35,14 +35,38 @@ _CREDS_HELP = ("Credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (+ AWS_
                "visible to other users (ps) and kept in shell history; secret-looking values are masked in logs")
 
 
+def _typed_option(key: str, typ: str, value: str):
+    """A --storage-option value: a string (a secret "0123" must not become 123), unless it is a JSON object/array
+    or true/false/null, or typed as `key:int=`, `key:float=`, `key:bool=`, `key:json=`."""
+    import json
+
+    try:
+        if typ == "int":
+            return int(value)
+        if typ == "float":
+            return float(value)
+        if typ == "bool":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        looks_json = value.startswith(("{", "[")) or value in ("true", "false", "null")
+        if typ == "json" or (not typ and looks_json):
+            return json.loads(value)
+    except ValueError:
+        raise SystemExit(f"--storage-option {key}:{typ or 'json'}={value!r}: not a valid {typ or 'JSON'} value") from None
+    if typ not in ("", "str"):
+        raise SystemExit(f"--storage-option {key}:{typ}: unknown type (use str, int, float, bool or json)")
+    return value
+
+
 def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> dict:
-    """`--storage-option key=value` pairs to an fsspec storage_options dict (values parsed as JSON when they can be).
+    """`--storage-option key=value` pairs to an fsspec storage_options dict (values are strings unless typed:
+    see `_typed_option`).
 
     When no key is given but the environment holds AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL
     (a MinIO/SeaweedFS/on-prem endpoint), they are copied in explicitly: the same values botocore would read, but
     explicit keys let the loader sign S3 URLs itself and skip starting s3fs (~0.3 s per process; shardtrain.s3http).
     """
-    import json
     import os
 
     from shardtrain.storage.redact import SECRET_NAME_RE
@@ -52,13 +76,11 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
         if "=" not in pair:
             raise SystemExit(f"--storage-option expects key=value, got {pair!r}")
         k, v = pair.split("=", 1)
+        k, _, typ = k.partition(":")
         if SECRET_NAME_RE.search(k) and k != "profile":
             print(f"warning: --storage-option {k}=... puts a credential on the command line (visible in ps and "
                   "shell history); prefer AWS_* environment variables or a profile", file=sys.stderr)
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
+        out[k] = _typed_option(k, typ, v)
     env = dict(os.environ) if env is None else env
     if "key" not in out and all(env.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")):
         out["key"], out["secret"] = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
@@ -304,6 +326,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option, repeatable. " + _CREDS_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -322,7 +345,7 @@ def _cmd_bench(args) -> int:
         num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir,
         pcm_dtype=args.pcm_dtype)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
-                        device=args.device)
+                        device=args.device, progress=not args.no_progress)
     try:
         out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
                            stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
@@ -364,7 +387,8 @@ def _add_train(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set stream.bucket.max_batch_seconds=30 (repeatable)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec storage option for s3:// URLs (repeatable; JSON values parsed). " + _CREDS_HELP)
+                   help="fsspec storage option for s3:// URLs (repeatable; values are strings unless typed, e.g. "
+                        "KEY:int=5, or a JSON object/true/false). " + _CREDS_HELP)
     p.set_defaults(func=_cmd_train)
 
 

@@ -187,3 +187,15 @@ def test_shard_cache_concurrent_readers_and_streaming(tmp_path):
     with f:
         assert os.fstat(f.fileno()).st_size == 32 << 20
     assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MB while caching a 32 MB shard"
+
+
+def test_cli_storage_option_values_stay_strings_unless_typed():
+    from shardtrain.cli import _parse_storage_options
+
+    so = _parse_storage_options(["secret=0123", "key=1e5", "anon=true", "max_concurrency:int=4",
+                                 "client_kwargs={\"region_name\": \"eu-west-1\"}", "token:str=null",
+                                 "requester_pays:bool=0"], {})
+    assert so == {"secret": "0123", "key": "1e5", "anon": True, "max_concurrency": 4,
+                  "client_kwargs": {"region_name": "eu-west-1"}, "token": "null", "requester_pays": False}
+    with pytest.raises(SystemExit, match="max_concurrency:int"):
+        _parse_storage_options(["max_concurrency:int=four"], {})

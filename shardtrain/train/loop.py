@@ -254,6 +254,10 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                 row = meter.row(run, comm, float(loader.stats()["skipped"]), micro[-1][0].epoch, device)
                 metrics.log(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
+                if bar.disable and world.is_main:  # torchrun, SLURM, a pipe: one progress line instead of a bar
+                    log.info("step %d/%d  loss %.3f  %.0f audio-s/s  data wait %.0f%%  lr %.2e  skipped %d",
+                             run.step, tc.max_steps, row["loss"], row["audio_s_per_s"], row["data_wait_pct"],
+                             row["lr"], row["skipped"])
                 last.update(row)
             t_pause = time.perf_counter()
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
@@ -353,6 +357,7 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     end = run.step == tc.max_steps
     if not tc.val_data_url or not (end or (tc.val_every_steps and run.step % tc.val_every_steps == 0)):
         return None
+    log.info("step %d: validating on %s", run.step, tc.val_data_url)
     with torch.random.fork_rng(devices=[]):  # validation must not shift the training RNG streams
         res = evaluate(run.raw_model, cfg, world, run.tok, augmenters, device, comm, storage_options)
     val_loss = res["val_loss"]

@@ -183,6 +183,7 @@ def test_train_rides_out_outage_and_stops_on_refusal(server, tmp_path):
     rows = steps_logged(out)
     assert [r["step"] for r in rows] == list(range(1, 21)), "a step was skipped or repeated"
     assert rows[-1]["skipped"] == 0 and "retry" in err
+    assert "step 20/20  loss" in err and "audio-s/s  data wait" in err  # no TTY: progress lines, not a bar
     print(f"\nOUTAGE train: outage {timeline['back_after_s']:.1f} s, run finished {time.monotonic() - t0:.1f} s "
           f"after the crash; max data wait {max(r['data_wait_pct'] for r in rows):.0f}%")
 
