@@ -25,3 +25,12 @@ def test_bench_missing_shard_is_one_line_and_exit_1(tmp_path):
     errors = [x for x in res.stderr.splitlines() if x.startswith("bench: error:")]
     assert len(errors) == 1 and "shard-000001.tar: shard missing" in errors[0] and "Traceback" not in res.stderr
     assert res.stdout == ""  # no results table for a run that lost data
+
+
+def test_train_bounds_the_malloc_heap_unless_the_user_chose():
+    """`shardtrain train` fixes glibc's mmap threshold (bounded RSS over long runs; benchmarks/bench_train_rss.py);
+    a MALLOC_MMAP_THRESHOLD_ in the environment is the user's choice and is left alone."""
+    from shardtrain.cli import _bound_malloc_heap
+
+    assert _bound_malloc_heap({"MALLOC_MMAP_THRESHOLD_": "65536"}) is False
+    assert _bound_malloc_heap({}) is sys.platform.startswith("linux")
