@@ -60,6 +60,9 @@ from shardtrain.train.config import RunConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
+MAX_TOKENLESS_STEPS = 100
+"""Batches in a row with no target token on any rank (they never advance the step) before the run stops."""
+
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr after `step` optimiser steps: linear warm-up, then cosine down to min_lr_ratio."""
@@ -232,6 +235,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     bar = tqdm(total=tc.max_steps, initial=run.step, dynamic_ncols=True,
                disable=not (world.is_main and tc.progress and sys.stderr.isatty()))
     last: dict = {}
+    tokenless = 0
     meter = _Interval()
     run.model.train()
     try:
@@ -245,7 +249,12 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
             if global_tokens <= 0:  # no target token on any rank: no step, no schedule, nothing to log or save
                 run.loader_state = micro[-1][1]
+                tokenless += 1
+                if tokenless >= MAX_TOKENLESS_STEPS:
+                    raise StreamError(f"{tokenless} batches in a row without a single target token (empty "
+                                      f"transcripts?) at step {run.step + 1}; check the text of {tc.data_url}")
                 continue
+            tokenless = 0
             run.step += 1
             bar.update(1)
             meter.add(loss, global_tokens, sum(float(b.durations_s.sum()) for b, _ in micro))
