@@ -17,9 +17,9 @@ Many GPUs (NCCL), restarting from the last checkpoint when a rank dies:
 
 Empty batches (every sample of a planned batch failed to decode) still take part in the step: the rank runs
 the model on a half-second silent dummy and multiplies its loss by 0, so DDP's gradient all-reduce always sees
-every rank. If no rank has a single target token in a step, all ranks skip the optimiser step together, and
-neither the step counter nor the LR schedule advances; if every rank's batch is empty, all ranks stop with
-StreamError (the data is gone, not just thin). Storage that stays down past `stream.retry_budget_s`, refused
+every rank. If every rank's batch is empty, or no rank has a single target token, all ranks skip the step
+together: neither the step counter nor the LR schedule advances; after MAX_EMPTY_STEPS such batches in a row
+all ranks stop with StreamError (the data is gone, not just thin). Storage that stays down past `stream.retry_budget_s`, refused
 credentials or a missing shard raise StreamError from the loader: the run stops, to be resumed.
 Resume is bit-exact on CPU: the loader state of the last consumed batch, the torch RNG state of every rank,
 model, optimiser, scheduler and scaler are restored, and augmentation randomness depends only on
@@ -60,8 +60,9 @@ from shardtrain.train.config import RunConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENLESS_STEPS = 100
-"""Batches in a row with no target token on any rank (they never advance the step) before the run stops."""
+MAX_EMPTY_STEPS = 20
+"""Batches in a row with no sample or no target token on any rank (they never advance the step or the LR
+schedule) before the run stops: the data is gone, not thin."""
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -250,9 +251,10 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             if global_tokens <= 0:  # no target token on any rank: no step, no schedule, nothing to log or save
                 run.loader_state = micro[-1][1]
                 tokenless += 1
-                if tokenless >= MAX_TOKENLESS_STEPS:
-                    raise StreamError(f"{tokenless} batches in a row without a single target token (empty "
-                                      f"transcripts?) at step {run.step + 1}; check the text of {tc.data_url}")
+                if tokenless >= MAX_EMPTY_STEPS:
+                    raise StreamError(f"{tokenless} batches in a row with no sample or no target token on any rank "
+                                      f"before step {run.step + 1}: every sample failed to decode, or the "
+                                      f"transcripts are empty; check {tc.data_url} (`shardtrain inspect --verify`)")
                 continue
             tokenless = 0
             run.step += 1
@@ -292,10 +294,11 @@ def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.de
     local_samples = float(sum(len(b) for b, _ in micro))
     # the loss denominator (every token of every rank) and the samples, in one all-reduce
     global_tokens, global_samples = comm.sum([local_tokens, local_samples])
-    if global_samples == 0:
+    if global_samples == 0:  # every rank's batch is empty: no forward, no step (the caller counts these)
         b = micro[-1][0]
-        raise StreamError(f"every rank got an empty batch for step {run.step + 1} (epoch {b.epoch}, batch "
-                          f"{b.step}): no sample could be read or decoded; see the skipped samples logged above")
+        log.warning("every rank's batch is empty (epoch %d, batch %d): step %d not taken", b.epoch, b.step,
+                    run.step + 1)
+        return 0.0, 0.0
     loss = 0.0
     if global_tokens > 0:
         loss_acc = torch.zeros((), device=device)
