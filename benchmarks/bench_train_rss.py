@@ -65,6 +65,7 @@ def run(ds: str, steps: int, batch_s: float, bounded: bool, out: Path) -> dict:
     err = proc.stderr.read() if proc.stderr else ""
     if proc.returncode != 0:
         raise SystemExit(f"train failed ({proc.returncode}):\n{err[-3000:]}")
+    curve = [(t, m) for t, m in curve if m > 0]  # the last sample can catch the process exiting
     rss = [m for _, m in curve]
     at = {f"rss_mb_at_{p}pct": rss[min(len(rss) - 1, len(rss) * p // 100)] for p in (10, 25, 50, 75, 100)}
     half = rss[len(rss) // 2:]
