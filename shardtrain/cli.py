@@ -37,8 +37,8 @@ _CREDS_HELP = ("Credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (+ AWS_
 
 
 def _typed_option(key: str, typ: str, value: str):
-    """A --storage-option value: a string (a secret "0123" must not become 123), unless it is a JSON object/array
-    or true/false/null, or typed as `key:int=`, `key:float=`, `key:bool=`, `key:json=`."""
+    """A --storage-option value: a string (a secret "0123" must not become 123), unless it is a JSON object, array
+    or quoted string, or true/false/null, or typed as `key:int=`, `key:float=`, `key:bool=`, `key:json=`."""
     import json
 
     try:
@@ -50,7 +50,7 @@ def _typed_option(key: str, typ: str, value: str):
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(value)
             return value.lower() in ("true", "1")
-        looks_json = value.startswith(("{", "[")) or value in ("true", "false", "null")
+        looks_json = value.startswith(("{", "[", '"')) or value in ("true", "false", "null")
         if typ == "json" or (not typ and looks_json):
             return json.loads(value)
     except ValueError:

@@ -6,8 +6,8 @@ memory) and renamed, and evicted oldest-first past `max_bytes`.
 
 Concurrency: a reader gets an open file, opened under the same lock eviction takes, so eviction can never delete
 a file between "it is cached" and "it is open"; once open, a POSIX unlink (eviction here or in another worker
-process sharing the folder) leaves the reader's bytes intact. Within a process one thread downloads a shard
-while others wanting it wait; a file that another process evicted before it could be opened is fetched again.
+process sharing the folder) leaves the reader's bytes intact. A download is renamed into place and opened under
+that lock too. Within a process one thread downloads a shard while others wanting it wait for its copy.
 """
 from __future__ import annotations
 
@@ -61,30 +61,24 @@ class ShardCache:
     def open(self, name: str, sha256: str, size: int, fetch: Fetch) -> BinaryIO:
         """The cached shard, open for reading (fetched by streaming it to disk unless a copy of `size` exists)."""
         local = self.local_path(name, sha256)
-        for _ in range(3):
+        f = self._open_cached(local, size)
+        if f is not None:
+            return f
+        with self._lock:
+            fetching = self._fetching.setdefault(local, threading.Lock())
+        with fetching:  # one download per shard per process; the others wait for it, then open its copy
             f = self._open_cached(local, size)
-            if f is not None:
-                return f
-            with self._lock:
-                fetching = self._fetching.setdefault(local, threading.Lock())
-            with fetching:  # one download per shard per process; the others wait for it
-                f = self._open_cached(local, size)
-                if f is not None:
-                    return f
-                self._download(local, fetch)
-                f = self._open_cached(local, size, any_size=True)
-            if f is not None:
-                self._evict()
-                return f
-        raise OSError(f"shard cache {self.root}: {os.path.basename(local)} was evicted before it could be opened, "
-                      "3 times; is cache_max_gb smaller than the shards read at once?")
+            if f is None:
+                f = self._download(local, fetch)
+        self._evict()
+        return f
 
-    def _open_cached(self, local: str, size: int, any_size: bool = False) -> BinaryIO | None:
-        """Open `local` if it is there with the right size (or any size just after a download), else None.
-        Runs under the eviction lock: what it opens stays readable whatever is evicted afterwards."""
+    def _open_cached(self, local: str, size: int) -> BinaryIO | None:
+        """Open `local` if it is there with the right size, else None. Runs under the eviction lock: what it
+        opens stays readable whatever is evicted afterwards."""
         with self._lock:
             try:
-                if not any_size and os.path.getsize(local) != size:
+                if os.path.getsize(local) != size:
                     return None
                 f = open(local, "rb")
             except FileNotFoundError:
@@ -92,14 +86,18 @@ class ShardCache:
             os.utime(local)
             return f
 
-    def _download(self, local: str, fetch: Fetch) -> None:
-        """Stream the remote shard to a temp file piece by piece, then rename it into place."""
+    def _download(self, local: str, fetch: Fetch) -> BinaryIO:
+        """Stream the remote shard to a temp file piece by piece, then rename it into place and open it, both
+        under the eviction lock (so the fresh copy cannot be evicted before it is open). A shard shorter than
+        its manifest size (truncated remotely) is cached as it is; the reader sees where it ends."""
         tmp = f"{local}.tmp{os.getpid()}.{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
                 for piece in fetch():
                     f.write(piece)
-            os.replace(tmp, local)
+            with self._lock:
+                os.replace(tmp, local)
+                return open(local, "rb")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
