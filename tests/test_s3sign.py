@@ -129,3 +129,33 @@ def test_wrong_region_400_falls_back_to_s3fs_signing():
         assert s3http.opts_key(so) in s3http._local_rejected  # s3fs signed the third request
     finally:
         server.shutdown()
+
+
+class _BadRequest(http.server.BaseHTTPRequestHandler):
+    """400 for a reason that has nothing to do with signing."""
+
+    seen: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.seen.append(self.path)
+        body = b"<Error><Code>InvalidArgument</Code><Message>bad part number</Message></Error>"
+        self.send_response(400)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_other_400_is_hopeless_and_keeps_local_signing():
+    """A 400 that does not blame the signature is raised at once (not retried, local signing kept)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BadRequest)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        so = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.server_port}"}}
+        with pytest.raises(s3http.HTTPStatusError, match="HTTP 400 .*InvalidArgument: bad part number"):
+            storage.read_range("s3://bkt/obj", 0, 10, so, direct_http=True, backoff_s=5.0)
+        assert len(_BadRequest.seen) == 1 and s3http.opts_key(so) not in s3http._local_rejected
+    finally:
+        server.shutdown()

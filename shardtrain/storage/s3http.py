@@ -256,13 +256,21 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
         except BaseException:
             _drop(parts, conn)
             raise
-        if resp.status in (400, 403) and resigns < 2:  # 400: e.g. signed for the wrong region
-            resp.read()
+        if resp.status in (400, 403) and resigns < 2:
+            body = resp.read()
+            if resp.status == 400 and not _SIGNING_400.search(body):  # a bad request, not a bad signature
+                _drop(parts, conn)
+                raise HTTPStatusError(f"s3://{path} {range_value}: HTTP 400 {resp.reason}: "
+                                      f"{_error_text(body.decode('utf-8', 'replace'))}", 400)
             if resigns == 1:
                 _refused(path, storage_options)
             resigns += 1
             continue
         return parts, conn, resp
+
+
+_SIGNING_400 = re.compile(rb"AuthorizationHeaderMalformed|AuthorizationQueryParametersError|region", re.I)
+"""A 400 body that blames the signature (S3 answers a URL signed for the wrong region this way)."""
 
 
 def _raise_status(path: str, what: str, parts, conn, resp) -> None:
