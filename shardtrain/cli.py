@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping
 
 from shardtrain.format.codecs import CODECS
 
@@ -35,14 +36,38 @@ _CREDS_HELP = ("Credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (+ AWS_
                "visible to other users (ps) and kept in shell history; secret-looking values are masked in logs")
 
 
+def _typed_option(key: str, typ: str, value: str):
+    """A --storage-option value: a string (a secret "0123" must not become 123), unless it is a JSON object, array
+    or quoted string, or true/false/null, or typed as `key:int=`, `key:float=`, `key:bool=`, `key:json=`."""
+    import json
+
+    try:
+        if typ == "int":
+            return int(value)
+        if typ == "float":
+            return float(value)
+        if typ == "bool":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        looks_json = value.startswith(("{", "[", '"')) or value in ("true", "false", "null")
+        if typ == "json" or (not typ and looks_json):
+            return json.loads(value)
+    except ValueError:
+        raise SystemExit(f"--storage-option {key}:{typ or 'json'}={value!r}: not a valid {typ or 'JSON'} value") from None
+    if typ not in ("", "str"):
+        raise SystemExit(f"--storage-option {key}:{typ}: unknown type (use str, int, float, bool or json)")
+    return value
+
+
 def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> dict:
-    """`--storage-option key=value` pairs to an fsspec storage_options dict (values parsed as JSON when they can be).
+    """`--storage-option key=value` pairs to an fsspec storage_options dict (values are strings unless typed:
+    see `_typed_option`).
 
     When no key is given but the environment holds AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL
     (a MinIO/SeaweedFS/on-prem endpoint), they are copied in explicitly: the same values botocore would read, but
     explicit keys let the loader sign S3 URLs itself and skip starting s3fs (~0.3 s per process; shardtrain.s3http).
     """
-    import json
     import os
 
     from shardtrain.storage.redact import SECRET_NAME_RE
@@ -52,13 +77,11 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
         if "=" not in pair:
             raise SystemExit(f"--storage-option expects key=value, got {pair!r}")
         k, v = pair.split("=", 1)
+        k, _, typ = k.partition(":")
         if SECRET_NAME_RE.search(k) and k != "profile":
             print(f"warning: --storage-option {k}=... puts a credential on the command line (visible in ps and "
                   "shell history); prefer AWS_* environment variables or a profile", file=sys.stderr)
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
+        out[k] = _typed_option(k, typ, v)
     env = dict(os.environ) if env is None else env
     if "key" not in out and all(env.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")):
         out["key"], out["secret"] = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
@@ -77,6 +100,45 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
     register_secret(env.get("AWS_SESSION_TOKEN"))
     register_secret(env.get("AWS_ACCESS_KEY_ID"), 12)
     return out
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one line: a DataLoader worker's re-raised error carries the worker's traceback in its
+    message; its last line is the error itself."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
+    last = lines[-1]
+    if len(lines) > 1 and ": " in last and "." in last.split(": ", 1)[0]:  # "pkg.mod.StreamError: message"
+        last = last.split(": ", 1)[1]
+    return last
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """Errors a run reports in one line with their fix (not a traceback): unreadable or refused storage, a
+    broken dataset, too much bad data. Programming errors keep their tracebacks."""
+    from shardtrain.format.manifest import DatasetError
+    from shardtrain.load.reader import StreamError
+
+    return (StreamError, DatasetError, OSError)
+
+
+def _bound_malloc_heap(env: Mapping[str, str] | None = None) -> bool:
+    """Fix glibc's mmap threshold at 1 MB for a training process; returns True when set.
+
+    glibc raises the threshold each time a large block is freed (up to 32 MB); from then on the variable-sized
+    batch tensors of training (every batch has its own length) come from the heap, which fragments and never
+    shrinks: the demo's trainer grew to ~3.9 GB RSS. With a fixed threshold big tensors stay in mmap and go back
+    to the OS when freed (40 tiny_cpu steps on 60 s batches: 1.8 GB and growing -> ~1.2 GB flat, same speed;
+    benchmarks/bench_train_rss.py). Skipped when MALLOC_MMAP_THRESHOLD_ is set (the user chose) or off glibc."""
+    import os
+
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in (os.environ if env is None else env):
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 # ---- pack (owner: pack) -------------------------------------------------------------------------
@@ -186,8 +248,11 @@ def _cmd_inspect(args) -> int:
         ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
         summary = inspect(ds)
     except DatasetError as e:
-        print(f"inspect: error: {e}", file=sys.stderr)
+        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:  # storage refused or unreachable: one line naming the URL
+        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     problems = verify(ds, progress=not args.no_progress) if args.verify else None
     if args.json:
         if problems is not None:
@@ -288,6 +353,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option, repeatable. " + _CREDS_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -306,10 +372,14 @@ def _cmd_bench(args) -> int:
         num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir,
         pcm_dtype=args.pcm_dtype)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
-                        device=args.device)
-    out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
-                       stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
-                       make_augment=_bench_augmenter(args.device) if args.augment else None)
+                        device=args.device, progress=not args.no_progress)
+    try:
+        out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
+                           stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
+                           make_augment=_bench_augmenter(args.device) if args.augment else None)
+    except _run_errors() as e:
+        print(f"bench: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(out))
     else:
@@ -348,7 +418,8 @@ def _add_train(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set stream.bucket.max_batch_seconds=30 (repeatable)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec storage option for s3:// URLs (repeatable; JSON values parsed). " + _CREDS_HELP)
+                   help="fsspec storage option for s3:// URLs (repeatable; values are strings unless typed, e.g. "
+                        "KEY:int=5, or a JSON object/true/false). " + _CREDS_HELP)
     p.set_defaults(func=_cmd_train)
 
 
@@ -364,6 +435,7 @@ def _cmd_train(args) -> int:
 
     world = World.from_env()
     init_logging(world.rank, args.verbose)
+    _bound_malloc_heap()
     try:
         cfg = apply_overrides(load_pipeline(args.pipeline), args.overrides)
         paths = {"data_url": args.data[0], "val_data_url": args.val_data, "out_dir": args.out}
@@ -376,14 +448,15 @@ def _cmd_train(args) -> int:
         raise SystemExit(f"train: {e}") from None
     # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    from shardtrain.format.manifest import DatasetError
-    from shardtrain.load.reader import StreamError
-
     try:
         result = train(cfg, world, resume=args.resume or attempt > 0, attempt=attempt,
                        storage_options=_parse_storage_options(args.storage_option) or None)
-    except (ValueError, DatasetError, StreamError) as e:  # config/dataset problems: one line, not a traceback
+    except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
         raise SystemExit(f"train: {e}") from None
+    except _run_errors() as e:  # storage refused/unreachable, bad dataset or resume state: one line per rank
+        where = f" (rank {world.rank})" if world.world_size > 1 else ""
+        print(f"train: error{where}: {_one_line(e)}", file=sys.stderr)
+        return 1
     if world.is_main:
         print(json.dumps(result, sort_keys=True))
     return 0

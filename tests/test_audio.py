@@ -200,7 +200,7 @@ def test_decode_and_target_validation(tmp_path):
     assert e.value.reason == "unreadable_audio"
     y, rate = decode(write(tmp_path / "s.flac", tone(0.1, 8000, 2), 8000).read_bytes())
     assert y.shape == (800, 2) and y.dtype == np.float32 and rate == 8000
-    with pytest.raises(ValueError, match="sample-rate-hz"):
+    with pytest.raises(ValueError, match="--sample-rate 22050 is not allowed"):
         AudioTarget(codec="opus", sample_rate_hz=22050)
     with pytest.raises(ValueError, match="codec"):
         AudioTarget(codec="aac")

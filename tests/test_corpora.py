@@ -123,9 +123,9 @@ def test_common_voice_release(tmp_path):
         noise(root / "clips" / f"common_voice_de_{i}.mp3", 0.6 + 0.2 * i, seed=i)
         lines.append(f"c{i % 2}\tcommon_voice_de_{i}.mp3\ts{i}\tSatz \"{i}\" auf Deutsch\t\t2\t0\t"
                      f"{'twenties' if i else ''}\tfemale\t\t\tde\t")
-    lines.append(f"c9\tcommon_voice_de_99.mp3\ts99\tKein Clip\t\t2\t0\t\t\t\t\tde\t")
+    lines.append("c9\tcommon_voice_de_99.mp3\ts99\tKein Clip\t\t2\t0\t\t\t\t\tde\t")
     lines.append("c9\tbroken_row.mp3\tonly four fields")
-    lines.append(f"c9\tcommon_voice_de_0.mp3\ts5\t\t\t2\t0\t\t\t\t\tde\t")
+    lines.append("c9\tcommon_voice_de_0.mp3\ts5\t\t\t2\t0\t\t\t\t\tde\t")
     (root / "validated.tsv").write_text("\n".join(lines) + "\n")
     (root / "train.tsv").write_text("\n".join(lines[:3]) + "\n")
     assert detect_format(str(root)) == "commonvoice"

@@ -75,4 +75,4 @@ def test_no_credentials_in_manifest_or_verbose_logs(s3, s3_bucket, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "puts a credential on the command line" in p.stderr
-    assert s3.secret_key not in p.stderr.replace(f"--storage-option secret=...", "")
+    assert s3.secret_key not in p.stderr.replace("--storage-option secret=...", "")

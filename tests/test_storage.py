@@ -82,3 +82,110 @@ def test_cli_storage_options_take_explicit_keys_from_env():
     assert _parse_storage_options(["key=mine"], env) == {"key": "mine"}
     with pytest.raises(SystemExit, match="key=value"):
         _parse_storage_options(["novalue"], env)
+
+
+def test_errors_sorted_transient_hopeless_and_bugs():
+    """Only errors known to be transient are retried: network faults, 5xx, throttling; never 4xx or bugs."""
+    import http.client
+    import ssl
+
+    from shardtrain.storage.fs import is_transient
+    from shardtrain.storage.s3http import HTTPStatusError
+
+    transient = [ConnectionRefusedError(), ConnectionResetError(), TimeoutError(), http.client.IncompleteRead(b""),
+                 HTTPStatusError("x", 500), HTTPStatusError("x", 503), HTTPStatusError("x", 429), OSError(5, "EIO")]
+    hopeless = [PermissionError(), FileNotFoundError(), HTTPStatusError("x", 400), HTTPStatusError("x", 416),
+                EOFError(), ssl.SSLCertVerificationError(), TypeError(), KeyError("k"), AttributeError()]
+    assert all(map(is_transient, transient)) and not any(map(is_transient, hopeless))
+
+
+def test_retry_budget_then_storage_unavailable(tmp_path, monkeypatch):
+    """Transient errors are retried (jittered backoff) until the time budget is spent, then StorageUnavailable
+    names the URL and the budget; a programming error is raised at once, untouched."""
+    import time
+
+    p = tmp_path / "blob"
+    p.write_bytes(b"x" * 100)
+    fs = fsspec.filesystem("file")
+    calls = []
+
+    def down(self, path, start=None, end=None, **kw):
+        calls.append(time.monotonic())
+        raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr(type(fs), "cat_file", down)
+    t0 = time.monotonic()
+    with pytest.raises(storage.StorageUnavailable, match=r"blob .*retry budget 0.5 s.*connection refused"):
+        storage.read_range(str(p), 0, 10, budget_s=0.5, backoff_s=0.05)
+    assert 0.5 <= time.monotonic() - t0 < 1.5 and len(calls) >= 3
+
+    def bug(self, path, start=None, end=None, **kw):
+        calls.append(0.0)
+        raise TypeError("a bug, not an outage")
+
+    calls.clear()
+    monkeypatch.setattr(type(fs), "cat_file", bug)
+    with pytest.raises(TypeError, match="a bug"):
+        storage.read_range(str(p), 0, 10, backoff_s=5.0)
+    assert len(calls) == 1
+
+
+def test_shard_cache_concurrent_readers_and_streaming(tmp_path):
+    """8 threads read random ranges of 6 shards through a cache that holds ~2 of them, so eviction runs all the
+    time: every read returns the right bytes (eviction never deletes a file between 'cached' and 'open'). A
+    miss streams the shard to disk: peak Python memory stays far below the shard's size."""
+    import random
+    import threading
+
+    from shardtrain.storage.cache import ShardCache
+
+    size = 300_000
+    shards = {f"s{i}.tar": bytes([i]) * 7 + os.urandom(size - 7) for i in range(6)}
+    fetches: list[str] = []
+
+    def fetch(name):
+        def pieces():
+            fetches.append(name)
+            data = shards[name]
+            for a in range(0, len(data), 50_000):
+                yield data[a:a + 50_000]
+        return pieces
+
+    cache = ShardCache(str(tmp_path / "c"), max_bytes=2 * size + 10)
+    errors: list[BaseException] = []
+
+    def reader(seed):
+        rnd = random.Random(seed)
+        try:
+            for _ in range(60):
+                name = rnd.choice(list(shards))
+                a = rnd.randrange(size)
+                b = min(size, a + rnd.randrange(1, 40_000))
+                got = b"".join(cache.read(name, "ab" * 8, size, fetch(name), a, b, piece_bytes=8192))
+                assert got == shards[name][a:b], (name, a, b)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(fetches) > 6, "eviction never ran: the test proves nothing"
+    assert sum(os.path.getsize(p) for p in (tmp_path / "c").glob("*.tar")) <= 3 * size
+
+    # a miss streams to disk: by the time the fetch yields piece k, pieces < k are already in the temp file
+    big = os.urandom(1 << 20)
+    stream = ShardCache(str(tmp_path / "big"), max_bytes=1 << 30)
+    on_disk: list[int] = []
+
+    def pieces():
+        for _ in range(16):
+            tmp = [p for p in (tmp_path / "big").iterdir() if ".tmp" in p.name]
+            on_disk.append(tmp[0].stat().st_size if tmp else 0)
+            yield big
+
+    with stream.open("big.tar", "cd" * 8, 16 << 20, pieces) as f:
+        assert os.fstat(f.fileno()).st_size == 16 << 20
+    assert on_disk == [k << 20 for k in range(16)], "the shard was held in memory before being written"

@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import psutil
@@ -32,6 +33,7 @@ def dataset(tmp_path_factory):
 
 def cfg(**kw) -> StreamConfig:
     bucket = kw.pop("bucket", BucketConfig(max_batch_seconds=8.0, chunk_mb=0.05, num_buckets=4))
+    kw.setdefault("max_skipped_share", 1.0)  # corruption tests count their skips; the share stop has its own test
     return StreamConfig(bucket=bucket, epochs=kw.pop("epochs", 1), **kw)
 
 
@@ -193,18 +195,36 @@ def test_truncated_shard_skipped_and_recorded(dataset, tmp_path):
         run(url, strict=True)
 
 
-def test_missing_shard_recorded_and_steps_kept(dataset, tmp_path):
+def test_missing_shard_stops_loudly_naming_the_url(dataset, tmp_path):
+    """A missing shard is not bad data: the loader raises at once (no retries, no skipped rows) and names it."""
     out = tmp_path / "ds"
     shutil.copytree(dataset, out)
     os.remove(out / "shard-000002.tar")
-    ref, _, _ = run(dataset)
-    got, _, loader = run(str(out), retries=1, retry_backoff_s=0.01)
-    assert len(got) == len(ref), "a failed shard must not change the step count"
-    idx = open_dataset(str(out)).read_index(columns=["key", "shard"]).to_pylist()
-    gone = {r["key"] for r in idx if r["shard"] == 2}
-    assert {k for b in got for k in b[0]} == set(all_keys(dataset)) - gone
-    assert loader.stats()["skipped"] == len(gone)
-    assert all(e["reason"].startswith("shard_read_failed") for e in loader.stats()["skipped_keys"])
+    t0 = time.monotonic()
+    with pytest.raises(StreamError, match=r"shard-000002\.tar: shard missing") as err:
+        run(str(out), retry_backoff_s=5.0)
+    assert time.monotonic() - t0 < 4.0, "a hopeless error was retried"
+    assert str(out / "shard-000002.tar") in str(err.value)
+
+
+def test_stops_when_over_max_skipped_share(dataset, tmp_path):
+    """One corrupt member of ~90 is tolerated at a 2% share, but stops the epoch at the 1% default; a dataset
+    whose every shard is corrupt stops long before its epoch ends."""
+    url, bad = _corrupt_member(dataset, tmp_path)
+    got, _, loader = run(url, max_skipped_share=0.02)
+    assert loader.stats()["skipped"] == 1
+    with pytest.raises(StreamError, match=r"1 of ~\d+ samples of epoch 0 skipped as bad data.*max_skipped_share"):
+        run(url, max_skipped_share=0.01)
+    garbled = tmp_path / "garbled"
+    shutil.copytree(dataset, garbled)
+    for tar in garbled.glob("*.tar"):
+        tar.write_bytes(b"\xff" * tar.stat().st_size)
+    batches = []
+    with pytest.raises(StreamError, match="skipped as bad data"):
+        for b, _ in build_loader(str(garbled), world=World(), seed=0, cfg=StreamConfig(
+                bucket=BucketConfig(max_batch_seconds=8.0, chunk_mb=0.05, num_buckets=4), epochs=1)):
+            batches.append(b)
+    assert sum(len(b) for b in batches) == 0
 
 
 def test_memory_bounded_over_epochs(dataset):

@@ -23,6 +23,7 @@ from shardtrain import faults
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.load.reader import StreamError
 from shardtrain.train.loop import lr_factor, train
 from shardtrain.world import World
 
@@ -115,8 +116,10 @@ def test_resume_reproduces_uninterrupted_losses_exactly(six_utts, tmp_path, monk
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
-def test_empty_batches_are_skipped_and_counted(six_utts, tmp_path):
-    """A sample that fails to decode leaves an empty batch (max_batch_size=1); training carries on."""
+def test_empty_steps_do_not_advance_and_all_empty_data_stops(six_utts, tmp_path, caplog):
+    """A sample that fails to decode leaves an empty batch (max_batch_size=1); with one rank that is every rank:
+    the step is not taken (step counter and LR schedule stay), training carries on to max_steps. The default 1%
+    share stops the same run (1 of 6 samples skipped); with every sample garbled it stops for lack of data."""
     data = tmp_path / "corrupt"
     shutil.copytree(six_utts, data)
     index = pq.read_table(data / "index.parquet").to_pylist()
@@ -124,10 +127,22 @@ def test_empty_batches_are_skipped_and_counted(six_utts, tmp_path):
     with open(data / f"shard-{row['shard']:06d}.tar", "r+b") as f:
         f.seek(row["audio_offset"])
         f.write(b"\x00" * row["audio_size"])
-    run(str(data), tmp_path / "run", 8, "stream.bucket.max_batch_size=1", "train.log_every_steps=1", val=False)
+    one = ["stream.bucket.max_batch_size=1", "train.log_every_steps=1"]
+    caplog.set_level("WARNING", logger="shardtrain.train.loop")
+    run(str(data), tmp_path / "run", 8, *one, "stream.max_skipped_share=0.5", val=False)
+    assert any("not taken" in r.getMessage() for r in caplog.records), "no empty step: the test proves nothing"
     losses, _ = read_metrics(tmp_path / "run")
-    assert len(losses) == 8 and all(math.isfinite(r["loss"]) for r in losses)
+    assert [r["step"] for r in losses] == list(range(1, 9)) and all(math.isfinite(r["loss"]) for r in losses)
     assert losses[-1]["skipped"] >= 1
+    # linear warm-up over 20 steps: after k steps taken the LR is 3e-3 * (k + 1) / 20, empty batches or not
+    assert [r["lr"] for r in losses] == pytest.approx([3e-3 * (r["step"] + 1) / 20 for r in losses])
+    with pytest.raises(StreamError, match="skipped as bad data"):
+        run(str(data), tmp_path / "run2", 8, *one, val=False)
+    for tar in data.glob("*.tar"):
+        tar.write_bytes(b"\xff" * tar.stat().st_size)
+    with pytest.raises(StreamError, match="batches in a row with no sample"):
+        run(str(data), tmp_path / "run3", 8, *one, "stream.max_skipped_share=1", val=False)
+    assert not (tmp_path / "run3" / "checkpoints").exists() or not list((tmp_path / "run3/checkpoints").iterdir())
 
 
 def _save(root: Path, step: int, numel: int = 1 << 20) -> None:

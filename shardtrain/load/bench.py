@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import psutil
 import torch
+from tqdm import tqdm
 
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import build_loader
@@ -30,6 +31,8 @@ from shardtrain.world import World
 class BenchConfig:
     epochs: int | None = 1
     """Epochs to run (None: until max_batches)."""
+    progress: bool = False
+    """Show a progress bar (batches) on stderr."""
     max_batches: int | None = None
     """Stop after this many batches."""
     step_ms: float = 0.0
@@ -156,39 +159,48 @@ def _drain(loader, bench: BenchConfig, aug: Augmenter | None, gen: torch.Generat
            stages: dict, t_start: float) -> None:
     """Pull batches as a trainer would: copy to the device, augment, 'compute' for step_ms; count everything."""
     it = iter(loader)
-    while bench.max_batches is None or tally.batches < bench.max_batches:
-        t0 = time.perf_counter()
-        try:
-            batch, _state = next(it)
-        except StopIteration:
-            break
-        t1 = time.perf_counter()
-        tally.wait_s += t1 - t0
-        if tally.first_batch_s is None:
-            tally.first_batch_s = t1 - t_start
-            tally.first_audio_s = float(batch.durations_s.sum())
-        waves, lengths = batch.waves, batch.lengths
-        if bench.device != "cpu":
-            waves = waves.to(bench.device, non_blocking=True)
-            lengths = lengths.to(bench.device, non_blocking=True)
-        if bench.device != "cpu" or aug is not None:
-            waves = pcm_to_float(waves)  # pcm_dtype="int16": on the device, as the trainer does
-        if bench.device != "cpu":
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        stages["h2d"] += t2 - t1
-        if aug is not None and len(batch):
-            aug(waves, lengths, gen)
+    total = bench.max_batches
+    if bench.progress and bench.epochs is not None:  # one more plan of epoch 0: only for the bar's total
+        per_epoch = bench.epochs * loader.steps_per_epoch()
+        total = per_epoch if total is None else min(total, per_epoch)
+    bar = tqdm(total=total, unit="batch", desc="bench", disable=not bench.progress, dynamic_ncols=True)
+    try:
+        while bench.max_batches is None or tally.batches < bench.max_batches:
+            t0 = time.perf_counter()
+            try:
+                batch, _state = next(it)
+            except StopIteration:
+                break
+            t1 = time.perf_counter()
+            tally.wait_s += t1 - t0
+            if tally.first_batch_s is None:
+                tally.first_batch_s = t1 - t_start
+                tally.first_audio_s = float(batch.durations_s.sum())
+            waves, lengths = batch.waves, batch.lengths
+            if bench.device != "cpu":
+                waves = waves.to(bench.device, non_blocking=True)
+                lengths = lengths.to(bench.device, non_blocking=True)
+            if bench.device != "cpu" or aug is not None:
+                waves = pcm_to_float(waves)  # pcm_dtype="int16": on the device, as the trainer does
             if bench.device != "cpu":
                 torch.cuda.synchronize()
-        stages["augment"] += time.perf_counter() - t2
-        if bench.step_ms > 0:
-            time.sleep(bench.step_ms / 1000.0)
-        tally.batches += 1
-        tally.samples += len(batch)
-        tally.audio_s += float(batch.durations_s.sum())
-        tally.real += float(batch.lengths.sum())
-        tally.padded += float(batch.waves.numel())
+            t2 = time.perf_counter()
+            stages["h2d"] += t2 - t1
+            if aug is not None and len(batch):
+                aug(waves, lengths, gen)
+                if bench.device != "cpu":
+                    torch.cuda.synchronize()
+            stages["augment"] += time.perf_counter() - t2
+            if bench.step_ms > 0:
+                time.sleep(bench.step_ms / 1000.0)
+            tally.batches += 1
+            tally.samples += len(batch)
+            tally.audio_s += float(batch.durations_s.sum())
+            tally.real += float(batch.lengths.sum())
+            tally.padded += float(batch.waves.numel())
+            bar.update(1)
+    finally:
+        bar.close()
     close = getattr(it, "close", None)
     if close is not None:  # stop the prefetch threads now when max_batches ended the run early
         close()

@@ -38,10 +38,15 @@ class StreamConfig:
     one more thread than cores fills the short GIL-held gaps (2 cores: 3 threads ~+5% over 2)."""
     prefetch_chunks: int = 2
     """Chunks read and decoded ahead per process; memory ~ prefetch_chunks x batches_per_chunk decoded batches."""
-    retries: int = 5
-    """Retries of a failed read (exponential backoff, resumed at the byte reached) before the chunk is skipped."""
+    retries: int | None = None
+    """Cap on failed tries in a row of one read (None: only `retry_budget_s` limits them)."""
+    retry_budget_s: float = 120.0
+    """Seconds a read keeps retrying transient errors (connection refused/reset, timeouts, 5xx, throttling)
+    without receiving a byte, resuming at the byte reached. Long enough to ride out a server restart or a short
+    partition; past it the loader raises StreamError naming the URL (the job stops, and resumes from its last
+    checkpoint). Costs nothing while storage answers."""
     retry_backoff_s: float = 0.2
-    """First backoff delay; doubles per consecutive failure."""
+    """First backoff delay; doubles per consecutive failure (jittered, capped at 5 s)."""
     piece_mb: float = 8.0
     """Bytes per storage request inside a chunk read."""
     s3_direct_http: bool = True
@@ -53,6 +58,9 @@ class StreamConfig:
     """Local folder caching whole remote shards across epochs (LRU); None disables."""
     cache_max_gb: float = 50.0
     """Size cap of `cache_dir`; least recently used shards are evicted past it."""
+    max_skipped_share: float = 0.01
+    """Stop (StreamError) once more than this share of an epoch's samples (this rank's) were skipped as bad data:
+    a few corrupt members are skipped and counted, a broken dataset stops the job instead of training on little."""
     check_transcripts: bool = True
     """Hold the index's transcripts (Arrow, ~100 bytes a row) and skip a sample whose `<key>.json` text differs
     (a flipped byte in a shard). False saves that memory; the header checksum, name and size checks remain."""
@@ -71,5 +79,9 @@ class StreamConfig:
             raise ValueError("stream.prefetch_chunks must be >= 1")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError("stream.epochs must be >= 1 or None")
+        if self.retry_budget_s < 0 or (self.retries is not None and self.retries < 0):
+            raise ValueError("stream.retry_budget_s and stream.retries must be >= 0")
+        if not 0.0 <= self.max_skipped_share <= 1.0:
+            raise ValueError(f"stream.max_skipped_share must be in [0, 1], got {self.max_skipped_share}")
         if self.pcm_dtype not in ("float32", "int16"):
             raise ValueError(f"stream.pcm_dtype must be 'float32' or 'int16', got {self.pcm_dtype!r}")

@@ -169,6 +169,8 @@ class Loader:
         self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
         """Seconds per stage, summed over threads and workers (not part of the state: not reproducible)."""
         self.skipped_keys: list[dict] = []
+        self._epoch_skips = (0, 0)
+        """(epoch, samples skipped in it) for the max_skipped_share stop."""
         self.cursor = _Cursor(0, 0)
         self._bucket_fingerprint = _cfg_fingerprint(cfg.bucket)
         if state is not None:
@@ -266,6 +268,7 @@ class Loader:
                 if len(self.skipped_keys) < self.cfg.max_error_keys:
                     self.skipped_keys.append(e)
                 log.warning("skipped %s in %s: %s", e["key"], e["shard"], e["reason"])
+            _skip_limit(self, item)
             for i, (pcm, lengths, keys, texts, durs) in enumerate(item.batches):
                 t0 = time.perf_counter()
                 if isinstance(pcm, torch.Tensor):
@@ -287,6 +290,25 @@ class Loader:
                     self.counters["too_long"] += self.too_long_per_epoch
                 self.cursor = _Cursor(item.epoch, step + 1, chain)
                 yield batch, self.state_dict()
+
+
+def _skip_limit(loader: Loader, item: ChunkBatches) -> None:
+    """Raise StreamError once more than `max_skipped_share` of this rank's epoch was skipped as bad data.
+
+    The epoch size is this rank's share of the index (rows over world size, too-long ones excluded); the count
+    restarts each epoch (and on resume, so a resumed epoch may skip up to the share again)."""
+    if not item.errors:
+        return
+    epoch, n = loader._epoch_skips
+    n = (n if epoch == item.epoch else 0) + len(item.errors)
+    loader._epoch_skips = (item.epoch, n)
+    rows = max(1.0, (len(loader.idx) - loader.too_long_per_epoch) / loader.world.world_size)
+    if n > loader.cfg.max_skipped_share * rows:
+        last = item.errors[-1]
+        raise StreamError(
+            f"{loader.ds.url}: {n} of ~{rows:.0f} samples of epoch {item.epoch} skipped as bad data (over "
+            f"stream.max_skipped_share={loader.cfg.max_skipped_share:g}); last: {last['key']} in {last['shard']}: "
+            f"{last['reason']}; check the dataset with `shardtrain inspect --verify`, or raise the share")
 
 
 def build_loader(url: str | list | tuple, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,

@@ -6,7 +6,7 @@
       -> ChunkBatches: per batch padded PCM [B, T] (float32 in-process, int16 from worker processes)
 
 Errors never stop the stream unless `strict`: a sample that fails is recorded with its key and reason
-(decode_error, truncated_shard, index_mismatch, bad_json, shard_read_failed) and left out of its batch.
+(decode_error, truncated_shard, index_mismatch, bad_json) and left out of its batch; a failed read raises.
 """
 from __future__ import annotations
 

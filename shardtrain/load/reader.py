@@ -6,9 +6,10 @@
          libsndfile decode into its batch row (thread pool, no GIL)
       -> ChunkBatches: per batch padded PCM [B, T] (float32 in-process, int16 from worker processes)
 
-Errors never stop the stream unless `strict`: a sample that fails is recorded with its key and reason
-(decode_error, truncated_shard, index_mismatch, bad_header, bad_json, shard_read_failed) and left out of its
-batch.
+Bad data never stops the stream unless `strict`: a sample that fails is recorded with its key and reason
+(decode_error, truncated_shard, index_mismatch, bad_header, bad_json) and left out of its batch (the loader stops
+when more than `max_skipped_share` of an epoch is skipped). A storage failure is not bad data: transient errors
+are retried under `retry_budget_s`, and a hopeless one (403, 404, budget spent) raises StreamError naming the URL.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ RUN_GAP_BYTES = 1 << 20
 
 
 class StreamError(RuntimeError):
-    """Raised in strict mode on the first bad sample or shard, and on invalid resume state."""
+    """Raised on a shard that cannot be read (403, 404, storage down past the retry budget), on too many skipped
+    samples, in strict mode on the first bad sample, and on invalid resume state. One line: URL and what to do."""
 
 
 @dataclass(slots=True)
@@ -87,17 +89,35 @@ class ChunkReader:
                       if cfg.cache_dir and not storage.is_local(ds.url) else None)
 
     def _pieces(self, shard: int, start: int, end: int) -> Iterator[bytes]:
-        """Bytes [start, end) of a shard in pieces; ends early when the shard is truncated; OSError after retries."""
+        """Bytes [start, end) of a shard in pieces; ends early when the shard is truncated. Transient errors are
+        retried inside storage for up to `retry_budget_s`; what escapes is hopeless (see `_read_failed`)."""
         url = self.ds.shard_url(shard)
         so = self.ds.storage_options
-        kw: dict[str, Any] = dict(retries=self.cfg.retries, piece_bytes=int(self.cfg.piece_mb * (1 << 20)),
-                                  backoff_s=self.cfg.retry_backoff_s, direct_http=self.cfg.s3_direct_http)
-        if self.cache is not None:
+        kw: dict[str, Any] = dict(retries=self.cfg.retries, budget_s=self.cfg.retry_budget_s,
+                                  piece_bytes=int(self.cfg.piece_mb * (1 << 20)), backoff_s=self.cfg.retry_backoff_s,
+                                  direct_http=self.cfg.s3_direct_http)
+        if self.cache is not None:  # streamed to local disk on a miss; read from an open file (safe to evict)
             info = self.ds.shards[shard]
-            url = self.cache.path(info.name, info.sha256, info.bytes,
-                                  lambda: storage.read_range(url, 0, None, so, **kw))
-            so = None
+            return self.cache.read(info.name, info.sha256, info.bytes, lambda: storage.iter_range(url, 0, None, so, **kw),
+                                   start, end, kw["piece_bytes"])
         return storage.iter_range(url, start, end, so, allow_short=True, **kw)
+
+    def _read_failed(self, shard: int, e: OSError) -> StreamError:
+        """The loud error for a shard read that storage gave up on: infrastructure, not data, so never a skip.
+
+        Names the shard URL, the status and what to check; training stops and resumes from its last checkpoint."""
+        url = self.ds.shard_url(shard)
+        if isinstance(e, storage.StorageUnavailable):
+            hint = "storage unreachable for the whole retry budget"
+        elif isinstance(e, PermissionError):
+            hint = ("access denied (HTTP 403): check the credentials (key/secret/token, AWS_* variables), their "
+                    "expiry, and the bucket policy")
+        elif isinstance(e, FileNotFoundError):
+            hint = ("shard missing (HTTP 404 / no such file): the dataset is incomplete or was changed after "
+                    "packing; re-run `shardtrain pack` or `shardtrain inspect --verify`")
+        else:
+            hint = "unexpected storage error"
+        return StreamError(f"cannot read shard {url}: {hint}: {e}")
 
     def _decode(self, buf: memoryview, base: int, have: int, row: int, out: np.ndarray) -> tuple:
         """Decode one row of a run's bytes straight into `out` (its zeroed row of the padded batch).
@@ -205,8 +225,9 @@ class ChunkReader:
                   futures: list[Future], results: dict) -> None:
         """Stream one byte run and hand each row to the decode pool as soon as its bytes have all arrived.
 
-        A row whose bytes never arrive (the read failed after its retries, or the shard ended early) gets its
-        result here: a read failure, or the header check's verdict on the partial bytes (truncated)."""
+        A row whose bytes never arrive because the shard ended early gets its result here: the header check's
+        verdict on the partial bytes (truncated). A read that fails (hopeless, or out of retry budget) raises
+        StreamError: an outage is not bad data, and skipping its rows would quietly thin the epoch."""
         idx = self.idx
         ends = idx.offset[run_rows] + idx.size[run_rows] - start
         buf = bytearray(end - start)
@@ -224,12 +245,8 @@ class ChunkReader:
                 for g in range(0, len(ready), ROWS_PER_TASK):
                     futures.append(self.decode_pool.submit(order, self._decode_rows, view, start, end - start,
                                                            ready[g:g + ROWS_PER_TASK]))
-        except OSError as e:
-            if self.cfg.strict:
-                raise StreamError(f"shard {self.ds.shards[shard].name}: {e}") from e
-            for r in run_rows[nxt:]:
-                results[int(r)] = (f"row{int(r)}", "", 0, f"shard_read_failed: {e}", 0.0, 0.0)
-            nxt = len(run_rows)
+        except OSError as e:  # transient errors were retried in storage: this one stops the stream
+            raise self._read_failed(shard, e) from e
         for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
             results[int(r)] = self._decode(view, start, have, int(r), slot[int(r)][:0])
 

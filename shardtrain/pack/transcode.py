@@ -56,12 +56,12 @@ class AudioTarget:
         if self.codec not in CODECS:
             raise ValueError(f"audio codec (--codec) must be one of {CODECS}, got {self.codec!r}")
         if self.sample_rate_hz <= 0:
-            raise ValueError(f"--sample-rate-hz must be > 0, got {self.sample_rate_hz}")
+            raise ValueError(f"--sample-rate must be > 0, got {self.sample_rate_hz}")
         if self.codec == "opus" and self.sample_rate_hz not in OPUS_RATES_HZ:
-            raise ValueError(f"--sample-rate-hz {self.sample_rate_hz} is not allowed with opus; use one of "
+            raise ValueError(f"--sample-rate {self.sample_rate_hz} is not allowed with opus; use one of "
                              f"{OPUS_RATES_HZ}")
         if self.codec == "mp3" and self.sample_rate_hz not in MP3_RATES_HZ:
-            raise ValueError(f"--sample-rate-hz {self.sample_rate_hz} is not allowed with mp3; use one of "
+            raise ValueError(f"--sample-rate {self.sample_rate_hz} is not allowed with mp3; use one of "
                              f"{MP3_RATES_HZ}")
         if not 1 <= self.channels <= (2 if self.codec in ("opus", "mp3") else 8):
             raise ValueError(f"--channels must be 1..{2 if self.codec in ('opus', 'mp3') else 8} for "

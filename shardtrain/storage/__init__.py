@@ -8,10 +8,10 @@
 
 Imports nothing from the rest of shardtrain. `from shardtrain import storage; storage.read_range(...)` is the API.
 """
-from shardtrain.storage.fs import (S3_BLOCK_BYTES, atomic_write_bytes, commit_local_file, exists, fs_and_path,
+from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, StorageUnavailable, atomic_write_bytes, commit_local_file, exists, fs_and_path,
                                    is_local, iter_range, join, ls_names, makedirs, open_ranged, presign, read_bytes,
-                                   read_range, remove, size)
+                                   is_transient, read_range, remove, size)
 
-__all__ = ["S3_BLOCK_BYTES", "atomic_write_bytes", "commit_local_file", "exists", "fs_and_path", "is_local",
+__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "StorageUnavailable", "is_transient", "atomic_write_bytes", "commit_local_file", "exists", "fs_and_path", "is_local",
            "iter_range", "join", "ls_names", "makedirs", "open_ranged", "presign", "read_bytes", "read_range",
            "remove", "size"]

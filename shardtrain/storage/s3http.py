@@ -10,11 +10,17 @@ Signing:
 - With an explicit endpoint and explicit keys in the storage options (`key`/`secret`[/`token`],
   `client_kwargs.endpoint_url`[, `client_kwargs.region_name`]: MinIO, SeaweedFS, Ceph, R2, a local test server)
   URLs are presigned here (SigV4 query signing, path-style, ~20 us each) and s3fs is never imported.
-- Otherwise (AWS's credential chain: profiles, SSO, instance roles), or when the server rejects a URL signed here,
-  s3fs signs (`fs.sign`), so credentials, region and addressing follow the same rules as every other s3fs call.
+- Otherwise (AWS's credential chain: profiles, SSO, instance roles), or when the server rejects a URL signed here
+  (403, or 400 as for a wrong region), s3fs signs (`fs.sign`), so credentials, region and addressing follow the
+  same rules as every other s3fs call. The signer matches botocore's on a golden set (tests/test_s3sign.py).
+- The direct path is only taken where it is known to be right (`direct_unsupported`): a proxy (configured or
+  from HTTP(S)_PROXY, as botocore would use), SSE-C or requester-pays arguments, virtual-host addressing or
+  anonymous access leave the read to s3fs. A CA bundle (`client_kwargs.verify` = path, or AWS_CA_BUNDLE, which
+  botocore also reads) or `verify=False` is honoured by the TLS context.
 
 Errors: 404 -> FileNotFoundError, 403 (after one re-sign) -> PermissionError, a body cut short -> ConnectionError,
-other statuses -> OSError. Retrying is the caller's job (`storage.iter_range` resumes at the byte reached).
+other statuses -> HTTPStatusError (an OSError carrying `.status`; 5xx, 408 and 429 are transient, other 4xx are
+not). Retrying is the caller's job (`storage.iter_range` resumes at the byte reached).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -56,6 +63,18 @@ _conns = threading.local()
 
 def opts_key(storage_options: dict | None) -> str:
     return json.dumps(storage_options or {}, sort_keys=True, default=str)
+
+
+class HTTPStatusError(OSError):
+    """An S3 answer other than 2xx/403/404/416; `status` tells a transient one (5xx, 408, 429) from a hopeless one."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.status >= 500 or self.status in (408, 429)
 
 
 # ---- signing ----------------------------------------------------------------------------------------------
@@ -86,8 +105,58 @@ def static_credentials(storage_options: dict | None) -> StaticCredentials | None
                              region=ck.get("region_name") or so.get("region_name") or "us-east-1")
 
 
+def direct_unsupported(storage_options: dict | None) -> str | None:
+    """Why these options need s3fs for the whole request (not only for signing), or None when direct HTTP is right.
+
+    Reads HTTP(S)_PROXY/NO_PROXY from the environment, because botocore does: a direct read that skipped a proxy
+    every other request uses would reach a different network path (or none)."""
+    so = storage_options or {}
+    cfg = so.get("config_kwargs") or {}
+    if so.get("anon"):
+        return "anonymous access"
+    if so.get("requester_pays"):
+        return "requester pays"
+    extra = so.get("s3_additional_kwargs") or {}
+    if any(k.startswith("SSECustomer") or k == "RequestPayer" for k in extra):
+        return "SSE-C / request-payer arguments"
+    if (cfg.get("s3") or {}).get("addressing_style") == "virtual":
+        return "virtual-host addressing"
+    if cfg.get("proxies"):
+        return "a configured proxy"
+    endpoint = (so.get("client_kwargs") or {}).get("endpoint_url") or so.get("endpoint_url")
+    host = urllib.parse.urlsplit(endpoint).hostname if endpoint else "s3.amazonaws.com"
+    proxies = urllib.request.getproxies()
+    scheme = urllib.parse.urlsplit(endpoint).scheme if endpoint else "https"
+    if proxies.get(scheme) and not urllib.request.proxy_bypass(host or ""):
+        return f"an {scheme} proxy from the environment"
+    return None
+
+
+def _tls_context(storage_options: dict | None) -> ssl.SSLContext:
+    """botocore's TLS choices: `client_kwargs.verify` False (no verification) or a CA bundle path, else
+    AWS_CA_BUNDLE, else the system store."""
+    verify = ((storage_options or {}).get("client_kwargs") or {}).get("verify")
+    if verify is False:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    cafile = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE") or None
+    return ssl.create_default_context(cafile=cafile)
+
+
 def _quote(s: str) -> str:
     return urllib.parse.quote(s, safe="-_.~")
+
+
+def _host_header(ep: urllib.parse.SplitResult) -> str:
+    """The Host header http.client sends (and botocore signs): lowercase, no userinfo, no default port."""
+    host = ep.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if ep.port is not None and ep.port != {"http": 80, "https": 443}.get(ep.scheme):
+        host = f"{host}:{ep.port}"
+    return host
 
 
 def sigv4_presign(creds: StaticCredentials, path: str, expires_s: int, now: float) -> str:
@@ -101,7 +170,7 @@ def sigv4_presign(creds: StaticCredentials, path: str, expires_s: int, now: floa
     if creds.token:
         query["X-Amz-Security-Token"] = creds.token
     canonical_query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(query.items()))
-    canonical = "\n".join(["GET", uri, canonical_query, f"host:{ep.netloc}\n", "host", "UNSIGNED-PAYLOAD"])
+    canonical = "\n".join(["GET", uri, canonical_query, f"host:{_host_header(ep)}\n", "host", "UNSIGNED-PAYLOAD"])
     to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
     k = ("AWS4" + creds.secret).encode()
     for part in (amz_date[:8], creds.region, "s3", "aws4_request"):
@@ -136,7 +205,7 @@ def _refused(path: str, storage_options: dict | None) -> None:
 
 
 # ---- connections ------------------------------------------------------------------------------------------
-def _connection(parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+def _connection(parts: urllib.parse.SplitResult, storage_options: dict | None = None) -> http.client.HTTPConnection:
     """This thread's keep-alive connection to the server (never shared across threads or a fork)."""
     pool = getattr(_conns, "pool", None)
     if pool is None or _conns.pid != os.getpid():
@@ -147,7 +216,7 @@ def _connection(parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
     if conn is None:
         if parts.scheme == "https":
             conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=HTTP_TIMEOUT_S,
-                                               context=ssl.create_default_context())
+                                               context=_tls_context(storage_options))
         else:
             conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=HTTP_TIMEOUT_S)
         pool[key] = conn
@@ -166,13 +235,14 @@ def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> 
 def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_value: str):
     """(parts, conn, response) of a GET with `Range: range_value`; handles stale keep-alive and refused URLs.
 
-    A 403 is answered by signing again (the cached URL may have expired); a second 403 on a fresh URL makes
-    local signing stop for these options (`_refused`) and s3fs signs the last try. A third 403 is returned.
+    A 403 (or a 400, which a wrong region gives) is answered by signing again (the cached URL may have expired);
+    a second one on a fresh URL makes local signing stop for these options (`_refused`) and s3fs signs the last
+    try. A third is returned.
     """
     resigns, reconnected = 0, False
     while True:
         parts = urllib.parse.urlsplit(presigned(path, storage_options, fs_factory, refresh=resigns > 0))
-        conn = _connection(parts)
+        conn = _connection(parts, storage_options)
         reused = conn.sock is not None
         try:
             conn.request("GET", f"{parts.path}?{parts.query}", headers={"Range": range_value})
@@ -186,8 +256,12 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
         except BaseException:
             _drop(parts, conn)
             raise
-        if resp.status == 403 and resigns < 2:
-            resp.read()
+        if resp.status in (400, 403) and resigns < 2:
+            body = resp.read()
+            if resp.status == 400 and not _SIGNING_400.search(body):  # a bad request, not a bad signature
+                _drop(parts, conn)
+                raise HTTPStatusError(f"s3://{path} {range_value}: HTTP 400 {resp.reason}: "
+                                      f"{_error_text(body.decode('utf-8', 'replace'))}", 400)
             if resigns == 1:
                 _refused(path, storage_options)
             resigns += 1
@@ -195,11 +269,27 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
         return parts, conn, resp
 
 
+_SIGNING_400 = re.compile(rb"AuthorizationHeaderMalformed|AuthorizationQueryParametersError|region", re.I)
+"""A 400 body that blames the signature (S3 answers a URL signed for the wrong region this way)."""
+
+
 def _raise_status(path: str, what: str, parts, conn, resp) -> None:
     body = resp.read(2048).decode("utf-8", "replace")
     _drop(parts, conn)
-    err = {404: FileNotFoundError, 403: PermissionError}.get(resp.status, OSError)
-    raise err(f"s3://{path} {what}: HTTP {resp.status} {resp.reason}: {body[:300]}")
+    msg = f"s3://{path} {what}: HTTP {resp.status} {resp.reason}: {_error_text(body)}"
+    if resp.status == 404:
+        raise FileNotFoundError(msg)
+    if resp.status == 403:
+        raise PermissionError(msg)
+    raise HTTPStatusError(msg, resp.status)
+
+
+def _error_text(body: str) -> str:
+    """One line from an S3 error body: "Code: Message" from the XML, else the body's first 300 characters."""
+    code, message = (re.search(f"<{t}>(.*?)</{t}>", body, re.S) for t in ("Code", "Message"))
+    if code:
+        return f"{code.group(1)}: {message.group(1) if message else ''}".strip()
+    return " ".join(body.split())[:300]
 
 
 # ---- reads ------------------------------------------------------------------------------------------------

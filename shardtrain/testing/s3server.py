@@ -117,6 +117,9 @@ class LocalS3:
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._log_path = Path(log_path) if log_path is not None else None
         self._proc: subprocess.Popen | None = None
+        self._ports: list[int] | None = None
+        """(s3, master, volume, filer, admin) ports, kept so that a `crash()` + `start()` comes back at the same
+        endpoint, as a restarted server would."""
         self._log_file: IO[bytes] | None = None
         self.port = 0
         self.endpoint_url = ""
@@ -142,12 +145,15 @@ class LocalS3:
                 self._terminate()
                 if "address already in use" not in last_error.lower():
                     break
+                self._ports = None
                 log.warning("SeaweedFS port clash (attempt %d), retrying with other ports", attempt + 1)
         self._cleanup_tmp()
         raise RuntimeError(last_error)
 
     def _spawn(self, weed: str) -> None:
-        s3, master, volume, filer, admin = free_port_block(5)
+        if self._ports is None:
+            self._ports = free_port_block(5)
+        s3, master, volume, filer, admin = self._ports
         cmd = [
             weed, "mini", f"-dir={self._data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
@@ -193,6 +199,17 @@ class LocalS3:
         """SIGTERM, then SIGKILL after `stop_timeout_s`; removes the temp data dir if this object made it."""
         self._terminate()
         self._cleanup_tmp()
+
+    def crash(self) -> None:
+        """SIGKILL the server, keeping its data and ports: `start()` brings it back at the same endpoint (with
+        the then-current `access_key`/`secret_key`), the way an S3 server restarts after a crash or an upgrade."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
 
     def _terminate(self) -> None:
         proc, self._proc = self._proc, None

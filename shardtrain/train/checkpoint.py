@@ -11,8 +11,12 @@
 Protocol: rank 0 creates the temp dir -> barrier -> every rank writes its files (fsync) -> barrier -> rank 0
 writes meta.json, fsyncs, renames the temp dir to `step_NNNNNN` (atomic on a POSIX filesystem) and prunes
 -> barrier. A crash at any point leaves either the previous set of committed checkpoints or the new one.
-The directory must be on a filesystem every rank sees (as for any multi-node checkpoint). Object stores
-(s3://) have no atomic directory rename and are not supported for checkpoints yet.
+The directory must be on a filesystem every rank sees (as for any multi-node checkpoint), or an object store.
+
+On an object store (`s3://bucket/run/checkpoints`, for multi-node jobs without a shared filesystem) there is no
+directory rename: every file is uploaded under its final name (each upload is atomic by itself), and `meta.json`,
+written by rank 0 after all the others are there, is the commit point: readers list only step folders holding
+one. Re-saving a step first deletes its meta.json; pruning deletes meta.json first, then the rest.
 
 Retention: the newest `keep_last` plus the one with the lowest validation loss.
 Loading uses `torch.load(weights_only=True)`: nothing but tensors and plain containers is unpickled.
@@ -22,12 +26,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import io
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from shardtrain import storage
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +59,16 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Committed checkpoints as (step, path), oldest first. Temp dirs and stray files are ignored."""
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for object-store URLs (s3://...): checkpoints there use the meta.json commit protocol."""
+    return not storage.is_local(str(path))
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike, storage_options: dict | None = None) -> list[tuple[int, Path]]:
+    """Committed checkpoints as (step, path), oldest first. Temp dirs and stray files are ignored. On an object
+    store the paths are URL strings (typed as Path for the local callers; pass them back to this module)."""
+    if is_remote(ckpt_dir):
+        return _list_remote(str(ckpt_dir), storage_options)
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
@@ -64,15 +80,29 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
-    ckpts = list_checkpoints(ckpt_dir)
+def _list_remote(root: str, storage_options: dict | None) -> list[tuple[int, Path]]:
+    out = []
+    for name in storage.ls_names(root, storage_options):
+        m = _STEP_DIR.match(name)
+        if m and "meta.json" in storage.ls_names(storage.join(root, name), storage_options):
+            out.append((int(m.group(1)), storage.join(root, name)))
+    return sorted(out)  # type: ignore[arg-type]
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike, storage_options: dict | None = None) -> Path | None:
+    ckpts = list_checkpoints(ckpt_dir, storage_options)
     return ckpts[-1][1] if ckpts else None
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_size: int,
                     barrier: Callable[[], None], rank_state: dict, main_state: dict | None,
-                    model_state: dict | None, meta: dict, keep_last: int) -> Path:
+                    model_state: dict | None, meta: dict, keep_last: int,
+                    storage_options: dict | None = None) -> Path:
     """Collective: every rank calls it with its `rank_state`; rank 0 also passes model/main state and meta."""
+    if is_remote(ckpt_dir):
+        return _save_remote(str(ckpt_dir), step=step, rank=rank, world_size=world_size, barrier=barrier,
+                            rank_state=rank_state, main_state=main_state, model_state=model_state, meta=meta,
+                            keep_last=keep_last, storage_options=storage_options)
     root = Path(ckpt_dir)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{final.name}"
@@ -110,20 +140,65 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
     return final
 
 
-def read_meta(path: Path) -> dict:
+def _upload(obj: object, url: str, storage_options: dict | None) -> None:
+    """torch.save to a local temp file, then one upload (multipart above s3fs's block size): no second copy of a
+    large model in memory, and the object appears only once complete."""
+    fd, tmp = tempfile.mkstemp(prefix="shardtrain-ckpt-", suffix=".pt")
+    os.close(fd)
+    torch.save(obj, tmp)
+    storage.commit_local_file(tmp, url, storage_options)
+
+
+def _save_remote(root: str, *, step: int, rank: int, world_size: int, barrier: Callable[[], None],
+                 rank_state: dict, main_state: dict | None, model_state: dict | None, meta: dict, keep_last: int,
+                 storage_options: dict | None) -> Path:
+    """The object-store protocol (module docstring): files under their final names, meta.json last."""
+    final = storage.join(root, step_dir_name(step))
+    if rank == 0:
+        storage.remove(storage.join(final, "meta.json"), storage_options)  # a re-save: not committed meanwhile
+    barrier()
+    _upload(rank_state, storage.join(final, f"rank{rank:05d}.pt"), storage_options)
+    if rank == 0:
+        assert model_state is not None and main_state is not None
+        _upload(model_state, storage.join(final, "model.pt"), storage_options)
+        _upload(main_state, storage.join(final, "train_state.pt"), storage_options)
+    barrier()
+    if rank == 0:
+        names = set(storage.ls_names(final, storage_options))
+        missing = [r for r in range(world_size) if f"rank{r:05d}.pt" not in names]
+        if missing:
+            raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
+        body = json.dumps({**meta, "step": step, "world_size": world_size}, indent=1).encode()
+        storage.atomic_write_bytes(storage.join(final, "meta.json"), body, storage_options)  # the commit point
+        prune(root, keep_last, storage_options)  # type: ignore[arg-type]
+        log.info("saved checkpoint %s", final)
+    barrier()
+    return final  # type: ignore[return-value]
+
+
+def read_meta(path: Path, storage_options: dict | None = None) -> dict:
+    if is_remote(path):
+        return json.loads(storage.read_bytes(storage.join(path, "meta.json"), storage_options))
     return json.loads((path / "meta.json").read_text())
 
 
-def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
+def prune(ckpt_dir: Path, keep_last: int, storage_options: dict | None = None) -> list[Path]:
     """Delete committed checkpoints other than the newest `keep_last` and the best by val_loss."""
-    ckpts = list_checkpoints(ckpt_dir)
+    ckpts = list_checkpoints(ckpt_dir, storage_options)
     keep = {p for _, p in ckpts[-keep_last:]} if keep_last > 0 else set()
-    scored = [(m["val_loss"], s, p) for s, p in ckpts if (m := read_meta(p)).get("val_loss") is not None]
+    scored = [(m["val_loss"], s, p) for s, p in ckpts
+              if (m := read_meta(p, storage_options)).get("val_loss") is not None]
     if scored:
         keep.add(min(scored)[2])
     removed = []
     for _, p in ckpts:
-        if p not in keep:
+        if p in keep:
+            continue
+        if is_remote(p):  # de-commit first: a kill mid-delete leaves an ignored folder, never a broken checkpoint
+            storage.remove(storage.join(p, "meta.json"), storage_options)
+            storage.remove(p, storage_options, recursive=True)
+            removed.append(p)
+        else:
             # rename first (atomic): a kill during rmtree must not leave a visible step dir missing its files;
             # the `.tmp-*` leftover is swept by the next save
             trash = p.with_name(f".tmp-del-{p.name}")
@@ -133,22 +208,36 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def load_checkpoint(path: Path, *, rank: int, world_size: int) -> dict:
-    """-> {meta, model, main, rank}. Any world size: `rank` is this rank's own file when the checkpoint has one;
-    a rank the checkpoint did not have gets rank 0's loader state (the same cursor on every rank; the loader
-    re-stripes the rest of the epoch) and no RNG state (`rng_cpu` None: the trainer seeds it). See elastic.py."""
-    meta = read_meta(path)
-    own = path / f"rank{rank:05d}.pt"
-    if own.is_file():
-        rank_state = torch.load(own, map_location="cpu", weights_only=True)
+def _load(path: Path, name: str, storage_options: dict | None) -> dict:
+    if is_remote(path):
+        data = storage.read_bytes(storage.join(path, name), storage_options)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return torch.load(path / name, map_location="cpu", weights_only=True)
+
+
+def _has(path: Path, name: str, storage_options: dict | None) -> bool:
+    if is_remote(path):
+        return storage.exists(storage.join(path, name), storage_options)
+    return (path / name).is_file()
+
+
+def load_checkpoint(path: Path, *, rank: int, world_size: int, storage_options: dict | None = None) -> dict:
+    """-> {meta, model, main, rank}, from a local folder or an object-store prefix. Any world size: `rank` is this
+    rank's own file when the checkpoint has one; a rank the checkpoint did not have gets rank 0's loader state
+    (the same cursor on every rank; the loader re-stripes the rest of the epoch) and no RNG state (`rng_cpu`
+    None: the trainer seeds it). See elastic.py."""
+    meta = read_meta(path, storage_options)
+    own = f"rank{rank:05d}.pt"
+    if _has(path, own, storage_options):
+        rank_state = _load(path, own, storage_options)
     else:
-        first = torch.load(path / "rank00000.pt", map_location="cpu", weights_only=True)
+        first = _load(path, "rank00000.pt", storage_options)
         rank_state = {"loader_state": first["loader_state"], "rng_cpu": None, "rng_cuda": None}
     if meta["world_size"] != world_size:
         log.info("checkpoint %s was written by %d processes, resuming on %d", path, meta["world_size"], world_size)
     return {
         "meta": meta,
-        "model": torch.load(path / "model.pt", map_location="cpu", weights_only=True),
-        "main": torch.load(path / "train_state.pt", map_location="cpu", weights_only=True),
+        "model": _load(path, "model.pt", storage_options),
+        "main": _load(path, "train_state.pt", storage_options),
         "rank": rank_state,
     }

@@ -17,7 +17,10 @@ Many GPUs (NCCL), restarting from the last checkpoint when a rank dies:
 
 Empty batches (every sample of a planned batch failed to decode) still take part in the step: the rank runs
 the model on a half-second silent dummy and multiplies its loss by 0, so DDP's gradient all-reduce always sees
-every rank. If no rank has a single target token in a step, all ranks skip the optimiser step together.
+every rank. If every rank's batch is empty, or no rank has a single target token, all ranks skip the step
+together: neither the step counter nor the LR schedule advances; after MAX_EMPTY_STEPS such batches in a row
+all ranks stop with StreamError (the data is gone, not just thin). Storage that stays down past `stream.retry_budget_s`, refused
+credentials or a missing shard raise StreamError from the loader: the run stops, to be resumed.
 Resume is bit-exact on CPU: the loader state of the last consumed batch, the torch RNG state of every rank,
 model, optimiser, scheduler and scaler are restored, and augmentation randomness depends only on
 (seed, epoch, step, rank).
@@ -41,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from shardtrain import faults
+from shardtrain import faults, storage
 
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train import elastic
@@ -53,11 +56,16 @@ from shardtrain.train.model import build_model, num_parameters
 from shardtrain.train.overrides import to_dict
 from shardtrain.train.qat import enable_qat
 from shardtrain.load.loader import build_loader
+from shardtrain.load.reader import StreamError
 from shardtrain.train.text import CharVocab, SentencePieceVocab, Tokenizer, tokenizer_from_json
 from shardtrain.world import World
 from shardtrain.train.config import RunConfig, TrainConfig, data_sources
 
 log = logging.getLogger(__name__)
+
+MAX_EMPTY_STEPS = 20
+"""Batches in a row with no sample or no target token on any rank (they never advance the step or the LR
+schedule) before the run stops: the data is gone, not thin."""
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -158,14 +166,15 @@ class _Run:
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
-             ckpt_dir: Path) -> _Run:
+             ckpt_dir: Path | str) -> _Run:
     """Build model, optimiser, scheduler and scaler, from the latest checkpoint when resuming."""
     tc = cfg.train
-    latest = ckpt.latest_checkpoint(ckpt_dir)
+    latest = ckpt.latest_checkpoint(ckpt_dir, storage_options)
     if latest is not None and not resume:
-        raise ValueError(f"{ckpt_dir.parent} already holds checkpoints ({latest.name}); pass --resume to continue "
-                         "it, or choose a new --out")
-    state = ckpt.load_checkpoint(latest, rank=world.rank, world_size=world.world_size) if resume and latest else None
+        raise ValueError(f"{os.path.dirname(str(ckpt_dir))} already holds checkpoints "
+                         f"({os.path.basename(str(latest))}); pass --resume to continue it, or choose a new --out")
+    state = (ckpt.load_checkpoint(latest, rank=world.rank, world_size=world.world_size,
+                                  storage_options=storage_options) if resume and latest else None)
     if resume and state is None:
         log.info("--resume: no checkpoint in %s yet; starting from scratch", ckpt_dir)
 
@@ -185,7 +194,7 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
         stored, now = state["meta"]["config"], json.loads(json.dumps(to_dict(cfg)))
         changed = sorted(k for k in stored if stored[k] != now.get(k))
         if changed:
-            log.warning("resuming %s with a changed config in sections %s", latest.name, changed)
+            log.warning("resuming %s with a changed config in sections %s", os.path.basename(str(latest)), changed)
         log.info("resumed from %s at step %d", latest, run.step)
     else:
         torch.manual_seed(tc.seed * 1000 + world.rank)  # dropout streams differ per rank
@@ -224,12 +233,14 @@ def _write_run_files(cfg: RunConfig, run: _Run, out: Path, world: World, device:
 
 def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None) -> dict:
     tc = cfg.train
-    out = Path(tc.out_dir)
+    out, ckpt_dir = _run_dirs(tc.out_dir)
     comm = Collectives(world, device)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        if ckpt.is_remote(tc.out_dir):
+            _fetch_run_files(tc.out_dir, out, storage_options)
     comm.barrier()
-    run = _restore(cfg, world, device, resume, storage_options, out / "checkpoints")
+    run = _restore(cfg, world, device, resume, storage_options, ckpt_dir)
     if run.resized is not None:
         cfg = elastic.apply(cfg, run.resized, run.optimizer, run.scheduler)
         tc = cfg.train
@@ -245,6 +256,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     bar = tqdm(total=tc.max_steps, initial=run.step, dynamic_ncols=True,
                disable=not (world.is_main and tc.progress and sys.stderr.isatty()))
     last: dict = {}
+    tokenless = 0
     meter = _Interval()
     run.model.train()
     try:
@@ -258,6 +270,15 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             if keylog is not None:
                 keylog.write(run.step + 1, micro)
             loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
+            if global_tokens <= 0:  # no target token on any rank: no step, no schedule, nothing to log or save
+                run.loader_state = micro[-1][1]
+                tokenless += 1
+                if tokenless >= MAX_EMPTY_STEPS:
+                    raise StreamError(f"{tokenless} batches in a row with no sample or no target token on any rank "
+                                      f"before step {run.step + 1}: every sample failed to decode, or the "
+                                      f"transcripts are empty; check {tc.data_url} (`shardtrain inspect --verify`)")
+                continue
+            tokenless = 0
             run.step += 1
             bar.update(1)
             meter.add(loss, global_tokens, sum(float(b.durations_s.sum()) for b, _ in micro))
@@ -267,10 +288,14 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                 row.update(_dataset_seconds(loader, comm))
                 metrics.log(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
+                if bar.disable and world.is_main:  # torchrun, SLURM, a pipe: one progress line instead of a bar
+                    log.info("step %d/%d  loss %.3f  %.0f audio-s/s  data wait %.0f%%  lr %.2e  skipped %d",
+                             run.step, tc.max_steps, row["loss"], row["audio_s_per_s"], row["data_wait_pct"],
+                             row["lr"], row["skipped"])
                 last.update(row)
             t_pause = time.perf_counter()
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
-            _maybe_checkpoint(cfg, run, world, device, comm, out, val_loss, last)
+            _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, storage_options)
             meter.pause_s += time.perf_counter() - t_pause
             # the fault seam: after any checkpoint of this step, so a test can crash right after a save
             faults.point(f"train.step.rank{world.rank}", run.step, once_marker=out / f".fault_step_{run.step}.done")
@@ -280,7 +305,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             keylog.close()
         bar.close()
         metrics.close()
-    return {**last, "step": run.step, "out_dir": str(out)}
+    return {**last, "step": run.step, "out_dir": tc.out_dir}
 
 
 def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.device, comm: Collectives,
@@ -291,7 +316,14 @@ def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.de
     tc = cfg.train
     encoded = [to_device(b, device, run.tok) for b, _ in micro]
     local_tokens = float(sum(e[2].numel() for e in encoded))  # shape only: no device sync
-    (global_tokens,) = comm.sum([local_tokens])  # the loss denominator: every token of every rank
+    local_samples = float(sum(len(b) for b, _ in micro))
+    # the loss denominator (every token of every rank) and the samples, in one all-reduce
+    global_tokens, global_samples = comm.sum([local_tokens, local_samples])
+    if global_samples == 0:  # every rank's batch is empty: no forward, no step (the caller counts these)
+        b = micro[-1][0]
+        log.warning("every rank's batch is empty (epoch %d, batch %d): step %d not taken", b.epoch, b.step,
+                    run.step + 1)
+        return 0.0, 0.0
     loss = 0.0
     if global_tokens > 0:
         loss_acc = torch.zeros((), device=device)
@@ -317,10 +349,10 @@ def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.de
         run.scaler.step(run.optimizer)
         run.scaler.update()
         loss = float(loss_acc)  # device->host sync once per step
-    else:
+        run.scheduler.step()
+    else:  # the step counter and the LR schedule do not move for a step that saw no data (see _train)
         log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
     run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
     return loss, global_tokens
 
 
@@ -370,6 +402,7 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     end = run.step == tc.max_steps
     if not tc.val_data_url or not (end or (tc.val_every_steps and run.step % tc.val_every_steps == 0)):
         return None
+    log.info("step %d: validating on %s", run.step, tc.val_data_url)
     with torch.random.fork_rng(devices=[]):  # validation must not shift the training RNG streams
         res = evaluate(run.raw_model, cfg, world, run.tok, augmenters, device, comm, storage_options)
     val_loss = res["val_loss"]
@@ -384,8 +417,9 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     return val_loss
 
 
-def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives, out: Path,
-                      val_loss: float | None, last: dict) -> None:
+def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
+                      ckpt_dir: Path | str, val_loss: float | None, last: dict,
+                      storage_options: dict | None = None) -> None:
     """Save every `ckpt_every_steps` and at the end (all ranks take part: each writes its own RNG + loader state)."""
     tc = cfg.train
     if not (run.step == tc.max_steps or (tc.ckpt_every_steps and run.step % tc.ckpt_every_steps == 0)):
@@ -397,10 +431,48 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
                   "scaler": run.scaler.state_dict(), "step": run.step, "best_val_loss": run.best_val,
                   "tokenizer": run.tok.to_json()} if world.is_main else None
     path = ckpt.save_checkpoint(
-        out / "checkpoints", step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
+        ckpt_dir, step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
         rank_state=rank_state, main_state=main_state,
         model_state=run.raw_model.state_dict() if world.is_main else None,
         meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time(),
               "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None},
-        keep_last=tc.keep_last)
+        keep_last=tc.keep_last, storage_options=storage_options)
     last["checkpoint"] = str(path)
+    if world.is_main and ckpt.is_remote(tc.out_dir):
+        _push_run_files(_run_dirs(tc.out_dir)[0], tc.out_dir, storage_options)
+
+
+# run files (config.json, vocab.json, metrics.jsonl) mirrored to an object-store --out at each checkpoint
+_RUN_FILES = ("config.json", "vocab.json", "metrics.jsonl")
+
+
+def _run_dirs(out_dir: str) -> tuple[Path, Path | str]:
+    """(local run folder, checkpoint folder or URL). With an object-store --out (s3://bucket/run), metrics and
+    TensorBoard are written to a local mirror (TMPDIR/shardtrain-runs/bucket/run), copied up at each checkpoint;
+    checkpoints go straight to s3://bucket/run/checkpoints (committed by their meta.json)."""
+    if not ckpt.is_remote(out_dir):
+        return Path(out_dir), Path(out_dir) / "checkpoints"
+    import tempfile
+
+    local = Path(tempfile.gettempdir()) / "shardtrain-runs" / out_dir.split("://", 1)[1].strip("/")
+    return local, storage.join(out_dir, "checkpoints")
+
+
+def _push_run_files(local: Path, url: str, storage_options: dict | None) -> None:
+    for name in _RUN_FILES:
+        if (local / name).is_file():
+            storage.atomic_write_bytes(storage.join(url, name), (local / name).read_bytes(), storage_options)
+
+
+def _fetch_run_files(url: str, local: Path, storage_options: dict | None) -> None:
+    """A resume on a fresh node: bring back the run files the last checkpoint copied up (metrics continue). A new
+    run (nothing up there yet) starts from an empty local mirror, whatever an earlier run with this URL left."""
+    names = set(storage.ls_names(url, storage_options))
+    if not names & set(_RUN_FILES):
+        import shutil
+
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True, exist_ok=True)
+    for name in _RUN_FILES:
+        if name in names and not (local / name).exists():
+            (local / name).write_bytes(storage.read_bytes(storage.join(url, name), storage_options))

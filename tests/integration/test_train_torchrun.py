@@ -102,7 +102,8 @@ def test_empty_batch_on_one_rank_does_not_hang(data, tmp_path):
         f.seek(row["audio_offset"])
         f.write(b"\x00" * row["audio_size"])
     out = tmp_path / "run"
-    res = run_ok(train_cmd(2, str(ds), out, "stream.bucket.max_batch_size=1", "stream.bucket.max_batch_seconds=6"))
+    res = run_ok(train_cmd(2, str(ds), out, "stream.bucket.max_batch_size=1", "stream.bucket.max_batch_seconds=6",
+                               "stream.max_skipped_share=0.5"))
     assert "empty batch" in res.stderr and "silent dummy" in res.stderr  # the DDP path under test was taken
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
