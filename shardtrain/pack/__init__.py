@@ -6,6 +6,7 @@
                    `file#bytes=START-END` references (audio inside an Arrow file or a Kaldi ark)
     transcode.py   keep original bytes or transcode to the target codec/rate/channels, with a decode check
     keys.py        sample keys that are safe in tar names and in webdataset (sanitised, de-duplicated)
+    parts.py       the input cut into parts in input order (the unit of listing work for an engine)
     scan.py        one part of the input = one task: read items, probe headers, per-item filters -> PartScan
     plan.py        the global plan on the driver from PartScans: duplicates, keys, rejects, sort, shards, fingerprint
     shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process or a Ray task)

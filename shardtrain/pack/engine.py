@@ -32,7 +32,7 @@ from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
 from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, write_shard
-from shardtrain.pack.sources import SourcePart
+from shardtrain.pack.parts import SourcePart
 
 if TYPE_CHECKING:
     from shardtrain.pack.transcode import AudioTarget

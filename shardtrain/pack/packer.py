@@ -340,7 +340,7 @@ def _pack_locked(cfg: PackConfig) -> PackResult:
 def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     from shardtrain.pack.engine import WriteJob
     from shardtrain.pack.plan import iter_specs, make_plan
-    from shardtrain.pack.sources import iter_parts
+    from shardtrain.pack.parts import iter_parts
     from shardtrain.pack.transcode import AudioTarget
 
     t0 = time.perf_counter()
@@ -377,9 +377,24 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
         done[marker["shard"]] = rows.add(marker)
     write_s = time.perf_counter() - t1
 
-    markers = [done[i] for i in range(plan.shards)]
-    all_rejects = rejects.rows + [r for m in markers for r in m["rejects"]]
-    n_rows = rows.write(plan.shards)
+    manifest, all_rejects = _commit(cfg, out, fp, [done[i] for i in range(plan.shards)], rows, rejects.rows)
+    by_reason: dict[str, int] = {}
+    for r in all_rejects:
+        by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
+    t = manifest["totals"]
+    return PackResult(output=out, samples=t["samples"], seconds=t["seconds"], shards=t["shards"], bytes=t["bytes"],
+                      rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
+                      shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
+                      items=t["samples"] + len(all_rejects))
+
+
+def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _IndexRows,
+            early_rejects: list[dict]) -> tuple[dict, list[dict]]:
+    """Write index.parquet, rejects.jsonl and manifest.json (last: the commit point), then drop `_work/`.
+    Returns (manifest, every reject: those found while scanning, then those of each shard in shard order)."""
+    so = cfg.storage_options
+    all_rejects = early_rejects + [r for m in markers for r in m["rejects"]]
+    n_rows = rows.write(len(markers))
     storage.atomic_write_bytes(storage.join(out, REJECTS),
                                b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in all_rejects), so)
     shards = [index.ShardInfo.from_dict(m["info"]) for m in markers]
@@ -401,14 +416,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
                     storage.join(out, REJECTS))
     index.write_manifest(out, manifest, so)  # commit point
     storage.remove(storage.join(out, WORK), so, recursive=True)
-    by_reason: dict[str, int] = {}
-    for r in all_rejects:
-        by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
-    t = manifest["totals"]
-    return PackResult(output=out, samples=t["samples"], seconds=t["seconds"], shards=t["shards"], bytes=t["bytes"],
-                      rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
-                      shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
-                      items=t["samples"] + len(all_rejects))
+    return manifest, all_rejects
 
 
 def _load_markers(out: str, so: dict | None, fp: str, n: int) -> dict[int, dict]:

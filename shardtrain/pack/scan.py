@@ -30,7 +30,7 @@ from shardtrain.pack.shard_task import PlannedSample, error_reason
 
 if TYPE_CHECKING:
     from shardtrain.pack.packer import PackConfig
-    from shardtrain.pack.sources import SourcePart
+    from shardtrain.pack.parts import SourcePart
 
 SAMPLE_OVERHEAD_BYTES = 2048  # two ustar headers + json + padding, for the size estimate only
 DIGEST_BYTES = 16
@@ -144,7 +144,8 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
     """Read, probe and filter one part. Returns its PartScan and one record per candidate,
     `(Item, AudioInfo, duration_s, est_bytes)` (AudioInfo None for a late reject). Never raises for bad items.
     Cost: one header read (plus a stat for kept files) per item, `cfg.probe_threads` at a time."""
-    from shardtrain.pack.sources import Item, part_items
+    from shardtrain.pack.parts import part_items
+    from shardtrain.pack.sources import Item
 
     early: list[tuple[int, dict]] = []
     cands: list[Item] = []

@@ -129,9 +129,31 @@ def write_shard(task: ShardTask) -> dict:
     to a temp file in `_work/` (locally) or the system temp folder (remote OUTPUT, then uploaded whole).
     """
     from shardtrain import storage
-    from shardtrain.pack.transcode import encode_for_shard
 
     faults.point("pack.shard", task.shard, once_marker=_fault_marker(task))
+    encoded, rejects = _encode_all(task)
+    name = f"shard-{task.shard:06d}.tar"
+    rows, nbytes, sha = _write_tar(task, name, encoded)
+    durations = [e[0] for e in encoded]
+    marker = {
+        "fingerprint": task.fingerprint,
+        "shard": task.shard,
+        "info": {"name": name, "samples": len(rows), "seconds": sum(durations),
+                 "min_duration_s": min(durations, default=0.0), "max_duration_s": max(durations, default=0.0),
+                 "bytes": nbytes, "sha256": sha},
+        "rows": rows,
+        "rejects": rejects,
+    }
+    storage.atomic_write_bytes(storage.join(task.output, "_work/" + marker_name(task.shard)),
+                               json.dumps(marker, sort_keys=True).encode(), task.storage_options)
+    return marker
+
+
+def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict]]:
+    """Encode every sample of the task: ([(stored duration_s, key, sample, stored info, bytes)] in write order,
+    [reject rows]). One failing sample is a reject (PackError under strict), never the whole shard."""
+    from shardtrain.pack.transcode import encode_for_shard
+
     encoded, rejects = [], []
     for s in task.samples:
         try:
@@ -150,8 +172,14 @@ def write_shard(task: ShardTask) -> dict:
             continue
         encoded.append((stored.duration_s, s.key, s, stored, data))
     encoded.sort(key=lambda e: (e[0], e[1]))
+    return encoded, rejects
 
-    name = f"shard-{task.shard:06d}.tar"
+
+def _write_tar(task: ShardTask, name: str, encoded: list[tuple]) -> tuple[list[dict], int, str]:
+    """Stream the tar to a temp file (OUTPUT/_work locally, the system temp folder for a remote OUTPUT), fsync,
+    publish it atomically (rename, or one whole-object upload); returns (index rows, bytes, sha256)."""
+    from shardtrain import storage
+
     url = storage.join(task.output, name)
     if storage.is_local(task.output):
         _, work_dir = storage.fs_and_path(storage.join(task.output, "_work"), task.storage_options)
@@ -180,16 +208,4 @@ def write_shard(task: ShardTask) -> dict:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    durations = [e[0] for e in encoded]
-    marker = {
-        "fingerprint": task.fingerprint,
-        "shard": task.shard,
-        "info": {"name": name, "samples": len(rows), "seconds": sum(durations),
-                 "min_duration_s": min(durations, default=0.0), "max_duration_s": max(durations, default=0.0),
-                 "bytes": w.bytes, "sha256": w.sha256},
-        "rows": rows,
-        "rejects": rejects,
-    }
-    storage.atomic_write_bytes(storage.join(task.output, "_work/" + marker_name(task.shard)),
-                               json.dumps(marker, sort_keys=True).encode(), task.storage_options)
-    return marker
+    return rows, w.bytes, w.sha256

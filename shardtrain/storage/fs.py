@@ -28,7 +28,7 @@ import ssl
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import fsspec
 
@@ -280,6 +280,27 @@ def commit_local_file(tmp_path: str | os.PathLike, url: str | os.PathLike, stora
         Path(tmp_path).unlink(missing_ok=True)
 
 
+def _fetcher(url: str | os.PathLike, end: int | None, storage_options: dict | None, direct_http: bool,
+             backoff: Backoff) -> tuple[Callable[[int, int], Iterator[bytes]], int | None]:
+    """(fetch(a, b) -> pieces of bytes [a, b), end): direct presigned HTTP for s3:// when allowed (end may stay
+    None: the responses say where the object ends), else fsspec `cat_file` (end from the object's size)."""
+    key = _direct_s3_key(url, direct_http, storage_options)
+    if key is not None:
+        sign_with = _s3fs_factory(url, storage_options)
+
+        def fetch_http(a: int, b: int) -> Iterator[bytes]:
+            return s3http.iter_range(key, storage_options, sign_with, a, b)
+        return fetch_http, end
+    fs, path = fs_and_path(url, storage_options)
+    if end is None:
+        end = _with_retry(lambda: int(fs.size(path)), url, backoff)
+
+    def fetch_fs(a: int, b: int) -> Iterator[bytes]:
+        piece = fs.cat_file(path, start=a, end=b)
+        return iter((piece,) if piece else ())
+    return fetch_fs, end
+
+
 def iter_range(
     url: str | os.PathLike,
     start: int = 0,
@@ -309,20 +330,7 @@ def iter_range(
     if start < 0 or (end is not None and end < start):
         raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
     backoff = Backoff(str(url), budget_s=budget_s, retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
-    key = _direct_s3_key(url, direct_http, storage_options)
-    if key is not None:
-        sign_with = _s3fs_factory(url, storage_options)
-
-        def fetch(a: int, b: int) -> Iterator[bytes]:
-            return s3http.iter_range(key, storage_options, sign_with, a, b)
-    else:
-        fs, path = fs_and_path(url, storage_options)
-        if end is None:
-            end = _with_retry(lambda: int(fs.size(path)), url, backoff)
-
-        def fetch(a: int, b: int) -> Iterator[bytes]:
-            piece = fs.cat_file(path, start=a, end=b)
-            return iter((piece,) if piece else ())
+    fetch, end = _fetcher(url, end, storage_options, direct_http, backoff)
     pos = start
     while end is None or pos < end:  # end None: direct HTTP learns where the object ends from the responses
         stop = pos + piece_bytes if end is None else min(end, pos + piece_bytes)

@@ -11,6 +11,8 @@
     checkpoint.py  atomic per-step checkpoints with the loader state (resumable on any world size)
     elastic.py     resuming on another world size: accumulation and learning rate for the new global batch
     keylog.py      `train.log_keys`: the keys every step trained on, per rank (audit)
+    qat.py         quantization-aware training: fake-quantized Linear layers (`train.qat`)
+    showcase.py    `shardtrain augment-demo`: augmented examples as WAV + spectrogram PNG
     metrics.py     metrics.jsonl + TensorBoard
     overrides.py   `--set a.b=v` and JSON round trips of the frozen config dataclasses
 """

@@ -231,20 +231,27 @@ def _write_run_files(cfg: RunConfig, run: _Run, out: Path, world: World, device:
              num_parameters(run.raw_model) / 1e6, len(run.tok), device, world.world_size)
 
 
-def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None) -> dict:
-    tc = cfg.train
-    out, ckpt_dir = _run_dirs(tc.out_dir)
-    comm = Collectives(world, device)
+def _prepare(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
+             comm: Collectives) -> tuple[RunConfig, _Run, Path, Path | str]:
+    """Run folder (fetched from the object store for an s3:// --out), model/optimiser state, the elastic
+    decision on a changed world size (it may change the config), config.json + vocab.json."""
+    out, ckpt_dir = _run_dirs(cfg.train.out_dir)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if ckpt.is_remote(tc.out_dir):
-            _fetch_run_files(tc.out_dir, out, storage_options)
+        if ckpt.is_remote(cfg.train.out_dir):
+            _fetch_run_files(cfg.train.out_dir, out, storage_options)
     comm.barrier()
     run = _restore(cfg, world, device, resume, storage_options, ckpt_dir)
     if run.resized is not None:
         cfg = elastic.apply(cfg, run.resized, run.optimizer, run.scheduler)
-        tc = cfg.train
     _write_run_files(cfg, run, out, world, device)
+    return cfg, run, out, ckpt_dir
+
+
+def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None) -> dict:
+    comm = Collectives(world, device)
+    cfg, run, out, ckpt_dir = _prepare(cfg, world, device, resume, storage_options, comm)
+    tc = cfg.train
     metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
     if run.resized is not None:
         metrics.log(run.resized.row(run.step))
@@ -284,15 +291,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             meter.add(loss, global_tokens, sum(float(b.durations_s.sum()) for b, _ in micro))
             run.loader_state = micro[-1][1]
             if run.step % tc.log_every_steps == 0 or run.step == tc.max_steps:
-                row = meter.row(run, comm, float(loader.stats()["skipped"]), micro[-1][0].epoch, device)
-                row.update(_dataset_seconds(loader, comm))
-                metrics.log(row)
-                bar.set_postfix(loss=f"{row['loss']:.3f}")
-                if bar.disable and world.is_main:  # torchrun, SLURM, a pipe: one progress line instead of a bar
-                    log.info("step %d/%d  loss %.3f  %.0f audio-s/s  data wait %.0f%%  lr %.2e  skipped %d",
-                             run.step, tc.max_steps, row["loss"], row["audio_s_per_s"], row["data_wait_pct"],
-                             row["lr"], row["skipped"])
-                last.update(row)
+                last.update(_log_interval(run, meter, loader, comm, micro[-1][0].epoch, device, metrics, bar,
+                                          world, tc.max_steps))
             t_pause = time.perf_counter()
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
             _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, storage_options)
@@ -306,6 +306,19 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
         bar.close()
         metrics.close()
     return {**last, "step": run.step, "out_dir": tc.out_dir}
+
+
+def _log_interval(run: _Run, meter: _Interval, loader, comm: Collectives, epoch: int, device: torch.device,
+                  metrics: MetricsLogger, bar: tqdm, world: World, max_steps: int) -> dict:
+    """One metrics row (one all-reduce); without a terminal (torchrun, SLURM, a pipe) also one progress line."""
+    row = meter.row(run, comm, float(loader.stats()["skipped"]), epoch, device)
+    row.update(_dataset_seconds(loader, comm))
+    metrics.log(row)
+    bar.set_postfix(loss=f"{row['loss']:.3f}")
+    if bar.disable and world.is_main:
+        log.info("step %d/%d  loss %.3f  %.0f audio-s/s  data wait %.0f%%  lr %.2e  skipped %d", run.step,
+                 max_steps, row["loss"], row["audio_s_per_s"], row["data_wait_pct"], row["lr"], row["skipped"])
+    return row
 
 
 def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.device, comm: Collectives,
