@@ -1,23 +1,11 @@
-"""Probe, decode and transcode audio with soundfile (libsndfile 1.2: WAV, FLAC, Ogg/Opus, MP3; no system library).
+"""Decoding stored audio: what the bytes of a shard's audio member mean, for the loader, verify and noise banks.
 
-    probe(path) -> AudioInfo(duration_s, sample_rate_hz, num_samples, channels, codec)      headers only
-    encode_for_shard(Item, AudioInfo, AudioTarget) -> (bytes to store, AudioInfo of the stored audio)
-    decode(bytes) -> (samples [n] or [n, ch], sample_rate_hz)                                 verify
-    decode_into(bytes, out) -> samples written into a preallocated row (mono float32/int16)     loader hot path
+    decode(bytes) -> (samples [n] or [n, ch], sample_rate_hz)                                   verify, noise
+    decode_into(bytes, out) -> samples written into a preallocated row (mono float32/int16)      loader hot path
 
-Costs (one core, measured here): `probe` of a FLAC/WAV/Opus header ~0.05 ms plus the open; kept-original bytes
-are read once and, with `AudioTarget.verify_decode`, decoded once to catch truncation (FLAC ~2 ms per 10 s);
-transcoding adds torchaudio's sinc resampler and the encoder.
-
-MP3 lengths: libsndfile takes the sample count from the Xing/Info (LAME) tag when there is one, and then it is
-exact, gapless-corrected. Without the tag it *estimates* the count from the first frame's bitrate and then stops
-decoding at that estimate: a VBR file without a tag measured here reported and decoded 78,048 of 160,000 samples,
-silently. A file truncated after its tag was written decodes short without an error. So `probe` walks the MP3
-frame headers (no decode; ~the cost of reading the file) and raises `AudioError` when the walked length and
-libsndfile's length disagree by more than a few frames: "truncated_audio" when the file holds less than the tag
-promises, "unreliable_mp3_length" when it holds more than libsndfile would decode.
-
-Remote audio (any fsspec URL) is opened through fsspec; local paths and `file://` URLs use plain files.
+soundfile (bundled libsndfile 1.2) reads WAV, FLAC, Ogg/Opus and MP3 with no system library. decode_into runs
+without the GIL on Linux (see _MemfdDecoder), which is what lets the loader decode in threads of one process.
+Probing and transcoding input audio belong to `pack` (probe.py, transcode.py).
 """
 from __future__ import annotations
 

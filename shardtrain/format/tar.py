@@ -1,7 +1,7 @@
-"""Shard format v1 on the byte level: a reproducible ustar writer and a plain tar sample reader.
+"""Shard format v1 on the byte level: a reproducible ustar writer and a checked header reader.
 
     write: [(key, ext, audio bytes, json bytes)] -> ShardWriter -> shard-NNNNNN.tar + [MemberOffsets]
-    read:  tar bytes / file object -> iter_tar_samples -> {"__key__": key, "<ext>": bytes, "json": bytes}
+    read:  512-byte header -> parse_header (checksum, regular file, name, size); iter_tar_members for verify
 
 Byte-reproducible by construction: every header has mtime 0, uid/gid 0, empty uname/gname, mode 0o644, and the
 plain ustar format (names are <= 80 + 5 chars, so no PAX or GNU long-name records are ever needed); the archive

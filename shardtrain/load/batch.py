@@ -1,21 +1,10 @@
-"""Streaming loader: planned batches read from shards on disk or S3, with exact resume.
+"""What the loader hands the trainer: `Batch` (padded PCM + lengths + keys/texts/durations) and pcm_to_float.
 
-    manifest.json + index.parquet (numeric columns only)            -> PlanIndex (~40 B/row, shared by workers)
-      -> plan_epoch(seed, epoch, world_size, BucketConfig)          -> groups of chunks, batches fixed per chunk
-      -> this rank's chunks; DataLoader worker w takes chunk j when (j + chunks before) % num_workers == w
-      -> read_chunk: one ranged read per byte run (retry + resume at byte reached; optional local shard cache)
-      -> decode: libsndfile in a thread pool straight into batch rows (no GIL: audio.decode_into)
-      -> ChunkBatches: per batch int16 [B, T] + lengths + keys/texts (half the bytes of float32 across IPC)
-      -> Loader (main process): float32 [B, T] zero-padded (pinned when CUDA exists) -> (Batch, state)
+    ChunkBatches row (int16 or float32 [B, T], lengths [B], keys, texts, durations_s)
+      -> Batch(waves [B, T] zero-padded, lengths [B] int64, ...) -> .to(device) / .pin_memory() in the trainer
 
-Why threads, and why whole chunks per worker item: decoding in a thread pool inside one process reaches the
-decode-only limit without the inter-process copy (stack.md), so `num_workers=0` with `decode_threads=3` is the
-default; with worker processes, each DataLoader item is one chunk's batches, so DataLoader's round-robin over
-workers yields chunks in plan order whatever `num_workers` is. The state is a cursor (epoch, step) kept by the
-main process, never by workers, so a checkpoint cannot run ahead of the trainer.
-
-A resume with a different world size re-plans only the rest of the epoch: rows consumed under the old world
-size are recomputed from the (pure) plan and excluded (`chain` in the state).
+int16 batches (worker processes: half the bytes through shared memory) become float32 with pcm_to_float on the
+device, which is where the trainer and `shardtrain bench` both convert them.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from typing import Any
 import fsspec
 
 from shardtrain.pack.probe import byte_range_ref
-from shardtrain.pack.sources import Item, Reject, _open_text, _opt_str, _ref
+from shardtrain.pack.sources import Item, Reject, _open_text, _opt_str, _ref, table_rows
 
 log = logging.getLogger(__name__)
 
@@ -218,15 +218,11 @@ def iter_commonvoice(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item 
         missing = {"path", "sentence"} - set(header)
         if missing:
             raise ValueError(f"{path}: not a Common Voice TSV (no {sorted(missing)} column; has {header})")
-        for row in reader:
-            where = f"{path}:{reader.line_num}"
-            if not any(c.strip() for c in row):
+        for x in table_rows(reader, path, header):
+            if isinstance(x, Reject):
+                yield x
                 continue
-            if len(row) != len(header):
-                yield Reject(where, where, f"bad_row: line {reader.line_num} has {len(row)} fields, header has "
-                                           f"{len(header)}")
-                continue
-            rec = dict(zip(header, row))
+            where, rec = x
             clip = rec["path"].strip()
             if not clip or "/" in clip or clip.startswith("."):
                 yield Reject(where, where, f"bad_field: path {clip!r} is not a file name in clips/")

@@ -1,13 +1,8 @@
-"""Shard format v1 on the byte level: a reproducible ustar writer and a plain tar sample reader.
+"""Sample keys that are safe everywhere a key appears: tar member names, webdataset, index rows, file names.
 
-    write: [(key, ext, audio bytes, json bytes)] -> ShardWriter -> shard-NNNNNN.tar + [MemberOffsets]
-    read:  tar bytes / file object -> iter_tar_samples -> {"__key__": key, "<ext>": bytes, "json": bytes}
-
-Byte-reproducible by construction: every header has mtime 0, uid/gid 0, empty uname/gname, mode 0o644, and the
-plain ustar format (names are <= 80 + 5 chars, so no PAX or GNU long-name records are ever needed); the archive
-ends with tarfile's standard two zero blocks padded to a 10240-byte record. The writer reports where each member's
-header and data lie, which is what index.parquet stores so a reader can slice audio out of a byte range without
-parsing tar. Nothing read from a shard is unpickled or evaluated.
+A key is `[A-Za-z0-9_-]{1,80}` (webdataset splits a name at its first dot, so no dots; no slashes). Input ids
+that do not fit are sanitised, and any two items that would share a key get a short hash suffix, decided in
+input order so the same input always gives the same keys.
 """
 from __future__ import annotations
 

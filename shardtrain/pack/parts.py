@@ -12,8 +12,8 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardtrain.pack.sources import (SOURCE_FORMATS, Item, Reject, _dir_entries, _dir_items, _fs, _iter_librispeech,
-                                     _librispeech_transcripts, detect_format, iter_items)
+from shardtrain.pack.sources import (Item, Reject, _dir_entries, _dir_items, _fs, _iter_librispeech,
+                                     _librispeech_transcripts, iter_items, resolve_format)
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,7 @@ def iter_parts(input: str, source_format: str = "auto", storage_options: dict | 
                part_items: int = 1024, *, text_column: str | None = None) -> Iterator[SourcePart]:
     """Split `input` into SourceParts of about `part_items` utterances (LibriSpeech: whole chapters); the other
     formats (manifests, Kaldi, Hugging Face, Common Voice) are read here by iter_items and cut into parts."""
-    if source_format not in SOURCE_FORMATS:
-        raise ValueError(f"source_format must be one of {SOURCE_FORMATS}, got {source_format!r}")
-    if source_format == "auto":
-        source_format = detect_format(input, storage_options)
-        log.info("detected source format %r for %s", source_format, input)
+    source_format = resolve_format(input, source_format, storage_options)
     fs, path = _fs(input, storage_options)
     if source_format in ("dir", "librispeech"):
         todo: list = _dir_entries(fs, path) if source_format == "dir" else _librispeech_transcripts(fs, path)

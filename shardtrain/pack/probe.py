@@ -1,23 +1,18 @@
-"""Probe, decode and transcode audio with soundfile (libsndfile 1.2: WAV, FLAC, Ogg/Opus, MP3; no system library).
+"""Probe input audio headers: duration, rate, channels and codec without decoding (the first stage of pack).
 
     probe(path) -> AudioInfo(duration_s, sample_rate_hz, num_samples, channels, codec)      headers only
-    encode_for_shard(Item, AudioInfo, AudioTarget) -> (bytes to store, AudioInfo of the stored audio)
-    decode(bytes) -> (samples [n] or [n, ch], sample_rate_hz)                                 verify
-    decode_into(bytes, out) -> samples written into a preallocated row (mono float32/int16)     loader hot path
 
-Costs (one core, measured here): `probe` of a FLAC/WAV/Opus header ~0.05 ms plus the open; kept-original bytes
-are read once and, with `AudioTarget.verify_decode`, decoded once to catch truncation (FLAC ~2 ms per 10 s);
-transcoding adds torchaudio's sinc resampler and the encoder.
+Costs (one core, measured here): a FLAC/WAV/Opus header ~0.05 ms plus the open. Remote audio (any fsspec URL)
+is opened through storage.fs_and_path; local paths and `file://` URLs use plain files; `<file>#bytes=A-B`
+references read a byte range (audio inside an Arrow file or a Kaldi ark).
 
 MP3 lengths: libsndfile takes the sample count from the Xing/Info (LAME) tag when there is one, and then it is
 exact, gapless-corrected. Without the tag it *estimates* the count from the first frame's bitrate and then stops
 decoding at that estimate: a VBR file without a tag measured here reported and decoded 78,048 of 160,000 samples,
-silently. A file truncated after its tag was written decodes short without an error. So `probe` walks the MP3
-frame headers (no decode; ~the cost of reading the file) and raises `AudioError` when the walked length and
-libsndfile's length disagree by more than a few frames: "truncated_audio" when the file holds less than the tag
-promises, "unreliable_mp3_length" when it holds more than libsndfile would decode.
-
-Remote audio (any fsspec URL) is opened through fsspec; local paths and `file://` URLs use plain files.
+silently. So `probe` walks the MP3 frame headers (no decode; ~the cost of reading the file) and raises
+`AudioError` when the walked length and libsndfile's length disagree by more than a few frames: "truncated_audio"
+when the file holds less than the tag promises, "unreliable_mp3_length" when it holds more than libsndfile
+would decode.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""Shard format v1 on the byte level: a reproducible ustar writer and a plain tar sample reader.
+"""One shard = one task: planned samples -> encoded audio -> a byte-reproducible tar -> a done-marker.
 
-    write: [(key, ext, audio bytes, json bytes)] -> ShardWriter -> shard-NNNNNN.tar + [MemberOffsets]
-    read:  tar bytes / file object -> iter_tar_samples -> {"__key__": key, "<ext>": bytes, "json": bytes}
+    ShardTask(shard, samples, target, fingerprint) -> encode each sample (keep or transcode, decode check)
+      -> sort by (stored duration, key) -> ShardWriter into a temp file -> fsync -> rename / whole-object PUT
+      -> OUTPUT/_work/shard-NNNNNN.json (index rows, rejects, ShardInfo): the engine's proof that the shard is done
 
-Byte-reproducible by construction: every header has mtime 0, uid/gid 0, empty uname/gname, mode 0o644, and the
-plain ustar format (names are <= 80 + 5 chars, so no PAX or GNU long-name records are ever needed); the archive
-ends with tarfile's standard two zero blocks padded to a 10240-byte record. The writer reports where each member's
-header and data lie, which is what index.parquet stores so a reader can slice audio out of a byte range without
-parsing tar. Nothing read from a shard is unpickled or evaluated.
+Runs in a pool worker or a Ray task; everything it needs is in the task, so a retry rewrites the same bytes.
 """
 from __future__ import annotations
 

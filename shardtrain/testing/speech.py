@@ -1,19 +1,10 @@
-"""Generated test data, shared by tests, benchmarks and the demo: nothing is downloaded, nothing is committed.
+"""Real speech for the demo and tests: espeak-ng voices speaking fortune or template sentences.
 
-- `synth_wave` / `make_corpus`: speech-like tones (harmonics + vibrato + syllable envelope + a little noise) in any
-  codec soundfile writes (wav, flac, opus, mp3), with pseudo-sentence transcripts. Milliseconds per file, no
-  system tools, byte-deterministic for wav/flac (see `make_corpus` for opus/mp3).
-- `synth_speech_corpus`: real speech from espeak-ng (varied voices, speeds and pitches), 16 kHz mono FLAC in the
-  LibriSpeech layout or flat, with transcripts normalised like LibriSpeech (UPPERCASE, apostrophes, spaces) and a
-  TSV manifest. A model can actually learn from it, which is what the demo needs. About 2,000 short utterances
-  per ~30-60 s on 2 cores (espeak-ng is ~10 ms per sentence; resampling + FLAC encode is ~2 ms).
-- `LocalS3`, `DropProxy` (re-exported from `shardtrain.s3local`): a real SeaweedFS server on loopback and a
-  proxy that cuts downloads mid-stream.
-
-Manifests (`manifest.tsv`, `manifest.jsonl`) have the columns path, text, speaker; `path` is relative to the
-folder holding the manifest.
-
-`python -m shardtrain.testing s3-serve --dir DIR` runs a LocalS3 in the foreground (used by scripts/s3-server).
+`synth_speech_corpus`: varied voices, speeds and pitches, 16 kHz mono FLAC in the LibriSpeech layout or flat,
+with transcripts normalised like LibriSpeech (UPPERCASE, apostrophes, spaces) and TSV/JSONL manifests. A model can
+actually learn from it, which is what the demo needs. About 2,000 short utterances per ~30-60 s on 2 cores
+(espeak-ng is ~10 ms per sentence; resampling + FLAC encode ~2 ms). Needs Debian's espeak-ng (and fortunes for
+varied text); missing tools raise with the apt-get line to run.
 """
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
-"""Training loop: streamed batches -> device augmentation -> model under DDP -> step -> metrics + checkpoints.
+"""TrainConfig and RunConfig: what a training run is, as frozen dataclasses (no YAML, no registry).
 
-    Loader (batch, state) x grad_accum_steps
-      -> targets via the tokenizer; ONE all-reduce of the token count (the loss denominator across ranks)
-      -> waves.to(device) -> DeviceAugment(generator seeded from (seed, epoch, step, rank)) -> feats
-      -> model (DDP; no_sync on all but the last micro-batch) -> CTC loss summed over tokens
-      -> backward of loss_sum * world_size / global_tokens   (DDP averages gradients, so this is the
-         exact per-token mean over every rank and micro-batch, whatever each rank's batch size)
-      -> unscale, clip, AdamW step, warm-up + cosine lr -> log / validate / checkpoint
-
-One process on CPU:
-    shardtrain train --data shards/train --val-data shards/dev --pipeline tiny_cpu --max-steps 500 --out runs/tiny
-Many GPUs (NCCL), restarting from the last checkpoint when a rank dies:
-    torchrun --nproc_per_node=8 --max-restarts 3 -m shardtrain train --data s3://bucket/librispeech/train \\
-        --val-data s3://bucket/librispeech/dev --pipeline librispeech_base --max-steps 100000 --out /ckpt/ls \\
-        --set train.grad_accum_steps=2 --set train.precision=bf16
-
-Empty batches (every sample of a planned batch failed to decode) still take part in the step: the rank runs
-the model on a half-second silent dummy and multiplies its loss by 0, so DDP's gradient all-reduce always sees
-every rank. If no rank has a single target token in a step, all ranks skip the optimiser step together.
-Resume is bit-exact on CPU: the loader state of the last consumed batch, the torch RNG state of every rank,
-model, optimiser, scheduler and scaler are restored, and augmentation randomness depends only on
-(seed, epoch, step, rank).
+RunConfig composes the configs of the stages it drives (StreamConfig, AugmentConfig, FeatureConfig, ModelConfig)
+with TrainConfig; presets in pipelines/ return one, `--set section.field=value` edits it (overrides.py), and
+the resolved config is written to DIR/config.json and into every checkpoint's meta.json.
 """
 from __future__ import annotations
 
