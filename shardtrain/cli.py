@@ -210,9 +210,10 @@ def _cmd_pack(args) -> int:
     except (ValueError, PackError) as e:
         print(f"pack: error: {e}", file=sys.stderr)
         return 2
+    empty = r.samples == 0  # a dataset with nothing in it is a failed pack, not a success to find out about later
     if args.json:
         print(json.dumps(r.to_dict(), sort_keys=True))
-        return 0
+        return 1 if empty else 0
     rejects = ", ".join(f"{k} {v}" for k, v in r.rejects_by_reason.items()) or "none"
     state = " (already complete; nothing written)" if r.already_complete else \
         f" ({r.shards_written} written by this run)" if r.shards_written != r.shards else ""
@@ -221,6 +222,10 @@ def _cmd_pack(args) -> int:
     print(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else ""))
     print(f"speed     {r.wall_s:.1f} s wall (probe {r.probe_s:.1f} s, write {r.write_s:.1f} s): "
           f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")
+    if empty:
+        print(f"pack: error: no utterance of {args.input} was accepted ({r.rejects} rejected: {rejects}); see "
+              f"{r.output}/rejects.jsonl for each reason", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -317,6 +317,18 @@ def test_cli_pack_and_inspect(corpus, tmp_path, capsys):
     assert cli.main(["pack", str(corpus), str(tmp_path / "o2"), "--codec", "opus", "--sample-rate", "22050"]) == 2
 
 
+
+def test_cli_pack_that_accepts_nothing_exits_nonzero(tmp_path, capsys):
+    """Every utterance rejected: the manifest is still written (so rejects.jsonl explains), but the command fails."""
+    src = tmp_path / "bad"
+    src.mkdir()
+    (src / "a.flac").write_bytes(b"not audio at all" * 8)
+    (src / "a.txt").write_text("HELLO\n")
+    assert cli.main(["pack", str(src), str(tmp_path / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "no utterance" in err and "unreadable_audio 1" in err and "rejects.jsonl" in err
+    assert json.loads((tmp_path / "out" / "rejects.jsonl").read_text().splitlines()[0])["reason"] == "unreadable_audio"
+
 # ---- engine-independent planning (pack/scan.py, pack/plan.py) ----------------------------------------------------
 def test_part_boundaries_do_not_change_the_output(corpus, tmp_path):
     """Listing/probe tasks cover `part_items` items each; the plan (and so every byte) must not depend on it."""
