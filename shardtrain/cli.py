@@ -552,17 +552,26 @@ def _add_transcribe(sub) -> None:
     p.set_defaults(func=_cmd_transcribe)
 
 
+def _trained_model(args):
+    """(TrainedModel, TranscribeConfig) from the flags `transcribe` and `evaluate` share."""
+    from shardtrain.infer.checkpoint_model import load_trained
+    from shardtrain.infer.transcribe import TranscribeConfig
+
+    tm = load_trained(args.checkpoint, device=args.device, which=args.which)
+    cfg = TranscribeConfig(max_batch_seconds=args.max_batch_seconds, progress=not args.no_progress,
+                           storage_options=_parse_storage_options(args.storage_option) or None)
+    return tm, cfg
+
+
 def _cmd_transcribe(args) -> int:
     import json
     import time
 
-    from shardtrain.infer.checkpoint_model import CheckpointError, load_trained
-    from shardtrain.infer.transcribe import TranscribeConfig, Transcriber
+    from shardtrain.infer.checkpoint_model import CheckpointError
+    from shardtrain.infer.transcribe import Transcriber
 
     try:
-        tm = load_trained(args.checkpoint, device=args.device, which=args.which)
-        cfg = TranscribeConfig(max_batch_seconds=args.max_batch_seconds, progress=not args.no_progress,
-                               storage_options=_parse_storage_options(args.storage_option) or None)
+        tm, cfg = _trained_model(args)
     except (CheckpointError, ValueError) as e:
         print(f"transcribe: error: {e}", file=sys.stderr)
         return 2
@@ -610,14 +619,11 @@ def _add_evaluate(sub) -> None:
 def _cmd_evaluate(args) -> int:
     import json
 
-    from shardtrain.infer.checkpoint_model import CheckpointError, load_trained
+    from shardtrain.infer.checkpoint_model import CheckpointError
     from shardtrain.infer.score import evaluate, markdown_table
-    from shardtrain.infer.transcribe import TranscribeConfig
 
     try:
-        tm = load_trained(args.checkpoint, device=args.device, which=args.which)
-        cfg = TranscribeConfig(max_batch_seconds=args.max_batch_seconds, progress=not args.no_progress,
-                               storage_options=_parse_storage_options(args.storage_option) or None)
+        tm, cfg = _trained_model(args)
         results, errors = evaluate(tm, args.data, cfg, worst_n=args.worst)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
