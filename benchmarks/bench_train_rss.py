@@ -27,7 +27,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_WORK_DIR, REPO, git_sha, markdown_table  # noqa: E402
 
-WRAPPER = "import sys, shardtrain.cli as c; {patch}sys.exit(c.main(sys.argv[1:]))"
+WRAPPER = "import sys, shardtrain.cli as c, shardtrain.cli.train as t; {patch}sys.exit(c.main(sys.argv[1:]))"
 
 
 def dataset(work: Path, n: int) -> str:
@@ -45,7 +45,7 @@ def dataset(work: Path, n: int) -> str:
 
 
 def run(ds: str, steps: int, batch_s: float, bounded: bool, out: Path) -> dict:
-    patch = "" if bounded else "c._bound_malloc_heap = lambda env=None: False; "
+    patch = "" if bounded else "t._bound_malloc_heap = lambda env=None: False; "
     cmd = [sys.executable, "-c", WRAPPER.format(patch=patch), "train", "--data", ds, "--pipeline", "tiny_cpu",
            "--max-steps", str(steps), "--out", str(out), "--set", "train.progress=false",
            "--set", "train.cpu_threads=1", "--set", "train.tensorboard=false", "--set", "train.val_every_steps=0",

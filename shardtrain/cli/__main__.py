@@ -1,0 +1,5 @@
+import sys
+
+from shardtrain.cli.app import main
+
+sys.exit(main())

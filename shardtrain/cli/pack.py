@@ -1,0 +1,197 @@
+"""`shardtrain synth`, `pack` and `inspect [--verify]`: corpora in, shards out, and checks of what was written.
+"""
+from __future__ import annotations
+
+import sys
+
+from shardtrain.format.codecs import CODECS
+from shardtrain.cli.common import _CREDS_HELP, _one_line, _parse_storage_options
+
+
+# ---- pack (owner: pack) -------------------------------------------------------------------------
+def _add_pack(sub) -> None:
+    import os
+
+    p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
+    p.add_argument("input", metavar="INPUT",
+                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder, Lhotse CutSet "
+                        "(.jsonl/.jsonl.gz), Kaldi data dir, Hugging Face dataset (.arrow/.parquet) or Common Voice "
+                        "release; any fsspec URL")
+    p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
+    p.add_argument("--source-format", default="auto",
+                   help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
+                        "commonvoice (default: auto)")
+    p.add_argument("--text-column", default=None,
+                   help="transcript column of a Hugging Face dataset input (default: text, sentence, transcription, "
+                        "... whichever exists)")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
+                        "client_kwargs='{\"endpoint_url\": \"http://127.0.0.1:8333\"}' or profile=NAME). " + _CREDS_HELP)
+    p.add_argument("--codec", default="flac", choices=CODECS,
+                   help="stored audio codec (default: flac)")
+    p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
+    p.add_argument("--channels", type=int, default=1, help="stored channel count (default: 1)")
+    p.add_argument("--keep-original", action="store_true",
+                   help="store input audio bytes unchanged (no transcoding, whatever codec/rate/channels)")
+    p.add_argument("--no-decode-check", action="store_true",
+                   help="do not fully decode audio kept byte for byte (faster; a truncated input file is then "
+                        "caught only by `inspect --verify` or the loader)")
+    p.add_argument("--target-shard-mb", type=float, default=256.0,
+                   help="target shard size in MiB, estimated from headers (default: 256)")
+    p.add_argument("--max-samples-per-shard", type=int, default=None,
+                   help="also cut a shard after this many samples (default: no limit)")
+    p.add_argument("--min-duration", type=float, default=None, help="reject utterances shorter than this (seconds)")
+    p.add_argument("--max-duration", type=float, default=None, help="reject utterances longer than this (seconds)")
+    p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+                   help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
+    p.add_argument("--engine", default="local", choices=("local", "ray"),
+                   help="where tasks run: local (this machine, --workers processes) or ray (Ray tasks on a cluster; "
+                        "pip install 'shardtrain[ray]'); the output is the same (default: local)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --engine ray: cluster to join (auto, or ray://HEAD:10001); default: start a local one")
+    p.add_argument("--strict", action="store_true", help="fail at the first bad item instead of rejecting it")
+    p.add_argument("--overwrite", action="store_true", help="replace a different dataset already at OUTPUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    p.set_defaults(func=_cmd_pack)
+
+
+def _cmd_pack(args) -> int:
+    import json
+
+    from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.pack.shard_task import PackError
+
+    try:
+        cfg = PackConfig(
+            input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
+            storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
+            sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
+            decode_check=not args.no_decode_check,
+            target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
+            min_duration_s=args.min_duration, max_duration_s=args.max_duration, workers=args.workers,
+            strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
+            engine=args.engine, ray_address=args.ray_address,
+        )
+        r = pack(cfg)
+    except (ValueError, PackError) as e:
+        print(f"pack: error: {e}", file=sys.stderr)
+        return 2
+    empty = r.samples == 0  # a dataset with nothing in it is a failed pack, not a success to find out about later
+    if args.json:
+        print(json.dumps(r.to_dict(), sort_keys=True))
+        return 1 if empty else 0
+    rejects = ", ".join(f"{k} {v}" for k, v in r.rejects_by_reason.items()) or "none"
+    state = " (already complete; nothing written)" if r.already_complete else \
+        f" ({r.shards_written} written by this run)" if r.shards_written != r.shards else ""
+    print(f"packed    {r.samples} samples, {r.hours:.3f} h, {r.shards} shards{state}, {r.bytes / 1e6:.1f} MB "
+          f"-> {r.output}")
+    print(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else ""))
+    print(f"speed     {r.wall_s:.1f} s wall (probe {r.probe_s:.1f} s, write {r.write_s:.1f} s): "
+          f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")
+    if empty:
+        print(f"pack: error: no utterance of {args.input} was accepted ({r.rejects} rejected: {rejects}); see "
+              f"{r.output}/rejects.jsonl for each reason", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- inspect (owner: pack) ----------------------------------------------------------------------
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="summarise (and with --verify, check) a packed dataset")
+    p.add_argument("dataset", metavar="DATASET", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
+    p.add_argument("--verify", action="store_true",
+                   help="re-read every shard: sha256, tar structure vs index, decode every audio member; "
+                        "exit code 1 on any problem")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option, repeatable (e.g. profile=NAME). " + _CREDS_HELP)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar during --verify")
+    p.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_inspect(args) -> int:
+    import json
+
+    from shardtrain.format.manifest import DatasetError, open_dataset
+    from shardtrain.pack.verify import format_inspect, inspect, problems_to_dicts, verify
+
+    try:
+        ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
+        summary = inspect(ds)
+    except DatasetError as e:
+        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # storage refused or unreachable: one line naming the URL
+        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    problems = verify(ds, progress=not args.no_progress) if args.verify else None
+    if args.json:
+        if problems is not None:
+            summary["problems"] = problems_to_dicts(problems)
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(format_inspect(summary))
+        if problems is not None:
+            print()
+            print(f"verify    {len(ds.shards)} shards, {summary['totals']['samples']} samples: "
+                  + ("OK" if not problems else f"{len(problems)} problems"))
+            for p in problems:
+                print(f"  {p}")
+    return 1 if problems else 0
+
+
+# ---- synth (owner: testing) ---------------------------------------------------------------------
+def _add_synth(sub) -> None:
+    p = sub.add_parser("synth", help="generate a speech corpus (espeak-ng) with transcripts")
+    p.add_argument("out", metavar="OUT", help="output folder (created; existing files are overwritten)")
+    p.add_argument("--n", type=int, default=200, help="number of utterances (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed for speakers, sentences and speeds (default 0)")
+    p.add_argument("--layout", choices=("librispeech", "flat"), default="librispeech",
+                   help="librispeech: OUT/<spk>/<chapter>/<spk>-<chapter>-<utt>.flac + .trans.txt; "
+                        "flat: OUT/<id>.flac + <id>.txt (both write OUT/manifest.tsv)")
+    p.add_argument("--workers", type=int, default=2, help="parallel espeak-ng jobs (default 2)")
+    p.add_argument("--text-source", choices=("auto", "fortunes", "builtin"), default="auto",
+                   help="sentences: fortunes when installed (auto), or built-in templates (same on every machine)")
+    p.add_argument("--tone", action="store_true",
+                   help="speech-like tones instead of espeak-ng speech (no system tools needed; flat layout)")
+    p.add_argument("--fmt", choices=CODECS, default="flac",
+                   help="audio codec for --tone (speech is always 16 kHz FLAC)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_synth)
+
+
+def _cmd_synth(args) -> int:
+    import csv
+    import time
+    from pathlib import Path
+
+    import numpy as np
+    import soundfile as sf
+
+    from shardtrain.testing.corpus import make_corpus
+    from shardtrain.testing.speech import synth_speech_corpus
+
+    if args.n < 1:
+        raise SystemExit("--n must be >= 1")
+    if args.workers < 1:
+        raise SystemExit("--workers must be >= 1")
+    t0 = time.perf_counter()
+    if args.tone:
+        durations_s = np.round(np.random.default_rng(args.seed).uniform(0.5, 12.0, args.n), 2).tolist()
+        root = make_corpus(Path(args.out), durations_s, fmt=args.fmt, seed=args.seed)
+    else:
+        try:
+            root = synth_speech_corpus(Path(args.out), args.n, seed=args.seed, workers=args.workers,
+                                       layout=args.layout, progress=not args.no_progress,
+                                       text_source=args.text_source)
+        except RuntimeError as e:
+            raise SystemExit(f"synth: {e}")
+    elapsed = time.perf_counter() - t0
+    with open(root / "manifest.tsv", encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    seconds = sum(sf.info(str(root / r["path"])).duration for r in rows)
+    speakers = len({r["speaker"] for r in rows})
+    print(f"synth: {len(rows)} files, {seconds / 3600:.3f} h of audio ({seconds:.0f} s), {speakers} speakers, "
+          f"in {elapsed:.1f} s -> {root} (manifest: {root / 'manifest.tsv'})")
+    return 0

@@ -1,0 +1,130 @@
+"""`shardtrain train` (one process, or one rank under torchrun: rank and world size are read from its environment
+here, and only here) and `shardtrain augment-demo`.
+"""
+from __future__ import annotations
+
+import sys
+from shardtrain.cli.common import _CREDS_HELP, _bound_malloc_heap, _one_line, _parse_storage_options, _run_errors, init_logging
+
+
+
+# ---- train (owner: train) -----------------------------------------------------------------------
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model (one process or under torchrun)",
+                       description="Train a CTC recogniser on streamed shards. Under torchrun, rank and world size "
+                                   "come from its environment; on a torchrun restart the run resumes by itself.")
+    p.add_argument("--data", required=True, action="append",
+                   help="training dataset URL (path, file://, s3://); repeat it to train on a weighted mixture")
+    p.add_argument("--weight", type=float, action="append", default=[],
+                   help="weight of each --data, in order (once per --data; default equal): per epoch a dataset gives "
+                        "weight / sum of weights of the audio, every sample once before any repeats")
+    p.add_argument("--val-data", default="", help="validation dataset URL (omit to skip validation)")
+    p.add_argument("--pipeline", default="tiny_cpu", help="preset: a name in pipelines/ (tiny_cpu, librispeech_base), module:function, or path/file.py:function")
+    p.add_argument("--max-steps", type=int, default=None, help="optimiser steps (overrides the preset)")
+    p.add_argument("--out", required=True, help="run directory: config.json, metrics.jsonl, checkpoints/")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set stream.bucket.max_batch_seconds=30 (repeatable)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option for s3:// URLs (repeatable; values are strings unless typed, e.g. "
+                        "KEY:int=5, or a JSON object/true/false). " + _CREDS_HELP)
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    import dataclasses
+    import json
+    import os
+
+    from pipelines import load_pipeline
+    from shardtrain.train.overrides import apply_overrides
+    from shardtrain.train.loop import train
+    from shardtrain.world import World
+
+    world = World.from_env()
+    init_logging(world.rank, args.verbose)
+    _bound_malloc_heap()
+    try:
+        cfg = apply_overrides(load_pipeline(args.pipeline), args.overrides)
+        paths = {"data_url": args.data[0], "val_data_url": args.val_data, "out_dir": args.out}
+        if len(args.data) > 1 or args.weight:
+            paths.update(mix_urls=tuple(args.data[1:]), mix_weights=tuple(args.weight))
+        if args.max_steps is not None:
+            paths["max_steps"] = args.max_steps
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **paths))
+    except ValueError as e:
+        raise SystemExit(f"train: {e}") from None
+    # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    try:
+        result = train(cfg, world, resume=args.resume or attempt > 0, attempt=attempt,
+                       storage_options=_parse_storage_options(args.storage_option) or None)
+    except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
+        raise SystemExit(f"train: {e}") from None
+    except _run_errors() as e:  # storage refused/unreachable, bad dataset or resume state: one line per rank
+        where = f" (rank {world.rank})" if world.world_size > 1 else ""
+        print(f"train: error{where}: {_one_line(e)}", file=sys.stderr)
+        return 1
+    if world.is_main:
+        print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+# ---- augment-demo (owner: augment) --------------------------------------------------------------
+def _add_augment_demo(sub) -> None:
+    p = sub.add_parser("augment-demo", help="write augmented examples as WAV files and spectrogram PNGs",
+                       description="Run the device augmentation chain on a few utterances and write, per example, "
+                                   "the original and augmented audio (WAV) and a PNG with three panels: original "
+                                   "log-mel, augmented log-mel, and the model's input (normalised + SpecAugment).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", metavar="DATASET_URL",
+                     help="dataset packed by `shardtrain pack` (path or s3:// URL); its first --n utterances are used")
+    src.add_argument("--tone", action="store_true",
+                     help="use generated speech-like waves (shardtrain.testing.synth_wave); the default without --data")
+    p.add_argument("--out", required=True, help="output folder for the WAV and PNG files (created if missing)")
+    p.add_argument("--n", type=int, default=4, help="number of examples (one batch)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the augmentation generator (and of the tones)")
+    p.add_argument("--duration-s", type=float, default=4.0, help="with --tone: length of the longest example in seconds")
+    p.add_argument("--noise-data", metavar="DATASET_URL", default=None,
+                   help="packed noise dataset for additive noise (default: generated white/pink/brown noise)")
+    p.add_argument("--rir-data", metavar="DATASET_URL", default=None,
+                   help="packed room-impulse-response dataset for reverb (default: synthetic RIRs)")
+    p.add_argument("--p", type=float, default=1.0,
+                   help="probability of every wave op (speed, reverb, noise, gain) per example; 1.0 shows them all")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option for s3:// URLs (repeatable), e.g. client_kwargs='{\"endpoint_url\": ...}'. "
+                        + _CREDS_HELP)
+    p.set_defaults(func=_cmd_augment_demo)
+
+
+def _cmd_augment_demo(args) -> int:
+    import torch
+
+    from shardtrain.train.augment import AugmentConfig, GainConfig, NoiseBank, NoiseConfig, ReverbConfig, SpeedConfig
+    from shardtrain.train.features import FeatureConfig
+    from shardtrain.train.showcase import write_examples
+
+    if args.n < 1:
+        raise SystemExit("--n must be >= 1")
+    so = _parse_storage_options(args.storage_option) or None
+    rate = FeatureConfig().sample_rate_hz
+    if args.data:
+        bank = NoiseBank.from_dataset(args.data, max_seconds=1e9, sample_rate_hz=rate, storage_options=so,
+                                      max_clips=args.n)
+        names, waves, lengths = bank.names, bank.waves, bank.lengths
+    else:
+        from shardtrain.testing.corpus import synth_wave
+
+        clips = [torch.from_numpy(synth_wave(args.duration_s * (1.0 - 0.15 * i), rate, seed=args.seed + i))
+                 for i in range(args.n)]
+        names = [f"tone{i}" for i in range(args.n)]
+        lengths = torch.tensor([c.shape[0] for c in clips])
+        waves = torch.nn.utils.rnn.pad_sequence(clips, batch_first=True)
+    aug = AugmentConfig(speed=SpeedConfig(p=args.p, factors=(0.9, 1.1)),
+                        reverb=ReverbConfig(p=args.p, rir_url=args.rir_data),
+                        noise=NoiseConfig(p=args.p, snr_db=(5.0, 20.0), noise_url=args.noise_data),
+                        gain=GainConfig(p=args.p))
+    for w in write_examples(waves, lengths, names, aug, args.out, args.seed, so):
+        print(f"{w['orig']}  {w['aug']}  {w['png']}  ({w['samples_in']} -> {w['samples_out']} samples"
+              f"{', peak-normalised' if w['peak_normalised'] else ''})")
+    return 0
