@@ -153,7 +153,7 @@ def test_hostile_index_rows_refused_on_open(copy, edit, match):
 
 
 _NO_BIG_ALLOC = """
-import resource, sys
+import os, resource, sys
 import psutil
 from shardtrain.format.manifest import DatasetError
 from shardtrain.load.config import StreamConfig
@@ -167,6 +167,8 @@ for url in sys.argv[1:]:
         print("read", sum(len(b) for b, _ in loader), "samples")  # the old reader: MemoryError here
     except DatasetError as e:
         print("refused:", str(e)[:160])
+sys.stdout.flush()
+os._exit(0)  # skip interpreter teardown: native thread pools may fail to start threads under the address limit
 """
 
 
