@@ -7,7 +7,9 @@ need them with the install command; nothing is skipped silently.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +61,30 @@ def speech_corpus(tmp_path_factory):
 def tone_corpus(tmp_path_factory):
     """make_corpus of TONE_DURATIONS_S as 16 kHz mono FLAC, seed 0. Read-only."""
     return make_corpus(tmp_path_factory.mktemp("tones"), TONE_DURATIONS_S, seed=0)
+
+
+# ---- plain helpers shared by test modules (import them: `from conftest import pack_subset`) ------------------
+def pack_subset(corpus: Path, out: Path, n: int) -> str:
+    """Pack the first `n` utterances of a generated corpus's manifest.tsv into `out/shards` (2 per shard)."""
+    from shardtrain.pack import PackConfig, pack
+
+    rows = (corpus / "manifest.tsv").read_text().splitlines()
+    out.mkdir(parents=True, exist_ok=True)
+    tsv = out / "subset.tsv"
+    tsv.write_text("\n".join([rows[0]] + [str(corpus / r.split("\t")[0]) + "\t" + r.split("\t", 1)[1]
+                                          for r in rows[1 : n + 1]]) + "\n")
+    pack(PackConfig(input=str(tsv), output=str(out / "shards"), max_samples_per_shard=2, progress=False))
+    return str(out / "shards")
+
+
+def dataset_sha256s(out: Path) -> dict[str, str]:
+    """sha256 of every file of a dataset; manifest.json without created_utc (the one wall-clock field)."""
+    got = {}
+    for p in sorted(out.iterdir()):
+        data = p.read_bytes()
+        if p.name == "manifest.json":
+            m = json.loads(data)
+            m.pop("created_utc")
+            data = json.dumps(m, sort_keys=True).encode()
+        got[p.name] = hashlib.sha256(data).hexdigest()
+    return got

@@ -29,6 +29,7 @@ from shardtrain.train.model import CTCModel
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.train.text import edit_distance, edit_ops
 from shardtrain.world import World
+from conftest import pack_subset
 
 SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.augment=false", "train.lr=3e-3",
          "train.warmup_steps=20", "stream.bucket.max_batch_seconds=30", "stream.bucket.num_buckets=1",
@@ -36,15 +37,6 @@ SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.aug
          "train.log_every_steps=20"]
 TRAIN_UTTS = 6
 
-
-def _pack(corpus: Path, out: Path, n: int) -> str:
-    rows = (corpus / "manifest.tsv").read_text().splitlines()
-    out.mkdir(parents=True, exist_ok=True)
-    tsv = out / "subset.tsv"
-    tsv.write_text("\n".join([rows[0]] + [str(corpus / r.split("\t")[0]) + "\t" + r.split("\t", 1)[1]
-                                          for r in rows[1 : n + 1]]) + "\n")
-    pack(PackConfig(input=str(tsv), output=str(out / "shards"), max_samples_per_shard=2, progress=False))
-    return str(out / "shards")
 
 
 def _train(data: str, out: Path, steps: int, *overrides: str, pipeline: str = "tiny_cpu") -> Path:
@@ -56,7 +48,7 @@ def _train(data: str, out: Path, steps: int, *overrides: str, pipeline: str = "t
 
 @pytest.fixture(scope="module")
 def data(speech_corpus, tmp_path_factory) -> str:
-    return _pack(speech_corpus, tmp_path_factory.mktemp("infer_data"), TRAIN_UTTS)
+    return pack_subset(speech_corpus, tmp_path_factory.mktemp("infer_data"), TRAIN_UTTS)
 
 
 @pytest.fixture(scope="module")

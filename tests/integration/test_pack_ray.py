@@ -3,7 +3,6 @@ the local engine for dir, TSV and LibriSpeech inputs with bad items, a worker SI
 driver SIGKILLed mid-run and recovered by re-running, and S3 in and out (the real loopback server)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import soundfile as sf
 from shardtrain import faults
 from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.testing.corpus import make_corpus, synth_wave
+from conftest import dataset_sha256s
 
 pytestmark = pytest.mark.slow
 
@@ -52,18 +52,6 @@ def _pack(src, out, engine: str, **kw):
     kw.setdefault("part_items", 5)  # several parts per input, so scan tasks run in parallel and finish out of order
     return pack(PackConfig(input=str(src), output=str(out), engine=engine, progress=False, **kw))
 
-
-def _sha256s(out: Path) -> dict[str, str]:
-    """sha256 of every file of a dataset; manifest.json without created_utc (the one wall-clock field)."""
-    got = {}
-    for p in sorted(out.iterdir()):
-        data = p.read_bytes()
-        if p.name == "manifest.json":
-            m = json.loads(data)
-            m.pop("created_utc")
-            data = json.dumps(m, sort_keys=True).encode()
-        got[p.name] = hashlib.sha256(data).hexdigest()
-    return got
 
 
 def _dir_input(root: Path) -> Path:
@@ -113,7 +101,7 @@ def test_ray_output_is_byte_identical_to_local(cluster, fmt, tmp_path):
     src = {"dir": _dir_input, "tsv": _tsv_input, "librispeech": _librispeech_input}[fmt](tmp_path / "in")
     local = _pack(src, tmp_path / "local", "local", part_items=1000)
     on_ray = _pack(src, tmp_path / "ray", "ray")
-    a, b = _sha256s(tmp_path / "local"), _sha256s(tmp_path / "ray")
+    a, b = dataset_sha256s(tmp_path / "local"), dataset_sha256s(tmp_path / "ray")
     assert a == b
     assert {"index.parquet", "manifest.json", "rejects.jsonl", "shard-000000.tar"} <= set(a)
     assert (on_ray.samples, on_ray.shards, on_ray.rejects) == (local.samples, local.shards, local.rejects)
@@ -131,7 +119,7 @@ def test_worker_killed_mid_task_is_retried(cluster, tone_corpus, tmp_path):
     fired.unlink()
     assert on_ray.shards == 10 and on_ray.shards_written == 10
     _pack(tone_corpus, tmp_path / "local", "local", max_samples_per_shard=3)
-    assert _sha256s(tmp_path / "ray") == _sha256s(tmp_path / "local")
+    assert dataset_sha256s(tmp_path / "ray") == dataset_sha256s(tmp_path / "local")
 
 
 def test_driver_killed_mid_run_then_rerun_writes_only_missing(cluster, tmp_path):
@@ -164,7 +152,7 @@ def test_driver_killed_mid_run_then_rerun_writes_only_missing(cluster, tmp_path)
     assert not (out / "_work").exists()
     _fault_marker(out).unlink(missing_ok=True)
     _pack(src, tmp_path / "clean", "local", max_samples_per_shard=1)
-    assert _sha256s(out) == _sha256s(tmp_path / "clean")
+    assert dataset_sha256s(out) == dataset_sha256s(tmp_path / "clean")
 
 
 @pytest.mark.s3

@@ -3,13 +3,11 @@ CPU each), so scan and shard tasks are spread over two raylets and records may c
 the output must be byte-identical to the local engine's. Its own module: a process joins one Ray cluster at a time."""
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
 
 import pytest
 
 from shardtrain.pack.packer import PackConfig, pack
+from conftest import dataset_sha256s
 
 pytestmark = pytest.mark.slow
 
@@ -30,22 +28,10 @@ def two_nodes():
         cluster.shutdown()
 
 
-def _sha256s(out: Path) -> dict[str, str]:
-    """sha256 of every file of a dataset; manifest.json without created_utc (the one wall-clock field)."""
-    got = {}
-    for p in sorted(out.iterdir()):
-        data = p.read_bytes()
-        if p.name == "manifest.json":
-            m = json.loads(data)
-            m.pop("created_utc")
-            data = json.dumps(m, sort_keys=True).encode()
-        got[p.name] = hashlib.sha256(data).hexdigest()
-    return got
-
 
 def test_two_node_cluster_output_identical_to_local(two_nodes, tone_corpus, tmp_path):
     assert len([n for n in two_nodes.nodes() if n["Alive"]]) == 2
     kw = dict(input=str(tone_corpus), max_samples_per_shard=4, part_items=4, progress=False)
     on_ray = pack(PackConfig(output=str(tmp_path / "ray"), engine="ray", **kw))
     pack(PackConfig(output=str(tmp_path / "local"), **kw))
-    assert on_ray.shards == 8 and _sha256s(tmp_path / "ray") == _sha256s(tmp_path / "local")
+    assert on_ray.shards == 8 and dataset_sha256s(tmp_path / "ray") == dataset_sha256s(tmp_path / "local")

@@ -14,7 +14,7 @@ import pytest
 
 from shardtrain import faults
 from shardtrain.train.checkpoint import list_checkpoints
-from shardtrain.pack.packer import PackConfig, pack
+from conftest import pack_subset
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,6 @@ SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.aug
 STEPS = 5
 TIMEOUT_S = 240
 
-
-def pack_subset(corpus: Path, out: Path, n: int) -> str:
-    rows = (corpus / "manifest.tsv").read_text().splitlines()
-    out.mkdir(parents=True, exist_ok=True)
-    tsv = out / "subset.tsv"
-    tsv.write_text("\n".join([rows[0]] + [str(corpus / r.split("\t")[0]) + "\t" + r.split("\t", 1)[1]
-                                          for r in rows[1 : n + 1]]) + "\n")
-    pack(PackConfig(input=str(tsv), output=str(out / "shards"), max_samples_per_shard=2, progress=False))
-    return str(out / "shards")
 
 
 def train_cmd(nproc: int | None, data: str, out: Path, *extra: str, restarts: int = 0) -> list[str]:
