@@ -159,7 +159,7 @@ def _col(table, name: str, dtype) -> np.ndarray | None:
         raise DatasetError(f"index.parquet: column {name} is not numeric ({show(str(e))})") from None
 
 
-def _fail(table, what: str, bad: np.ndarray, values: dict[str, np.ndarray]) -> None:
+def _fail(table, what: str, bad: np.ndarray, values: dict[str, np.ndarray], first_row: int = 0) -> None:
     """Raise for the first row flagged in `bad`, naming it by row number and (when read and valid) key."""
     if not bad.any():
         return
@@ -168,20 +168,22 @@ def _fail(table, what: str, bad: np.ndarray, values: dict[str, np.ndarray]) -> N
     if "key" in table.column_names:
         key = f" (key {show(table.column('key')[row].as_py())})"
     shown = ", ".join(f"{k} = {v[row].item()!r}" for k, v in values.items())
-    raise DatasetError(f"index.parquet row {row}{key}: {shown}: {what} ({int(bad.sum())} rows like it)")
+    raise DatasetError(f"index.parquet row {first_row + row}{key}: {shown}: {what} ({int(bad.sum())} rows like it)")
 
 
-def check_index(table, shard_bytes: list[int], shard_samples: list[int]) -> None:
+def check_index(table, shard_bytes: list[int], shard_samples: list[int] | None, first_row: int = 0) -> None:
     """Check the columns of `table` that were read (any projection of INDEX_SCHEMA) against the manifest's
-    shard list; raises DatasetError for the first violation. Rows must all be present (projections are by column)."""
+    shard list; raises DatasetError for the first violation. Rows must all be present (projections are by column),
+    unless `shard_samples` is None: then `table` is one slice of the index (a row group, load/mapped.py) whose
+    first row is `first_row`, and the whole-table checks (rows per shard, unique keys) are the caller's."""
     names = set(table.column_names)
     if "key" in names:
         import pyarrow.compute as pc
 
         keys = table.column("key")
         ok = pc.fill_null(pc.match_substring_regex(keys, KEY_PATTERN), False).to_numpy(zero_copy_only=False)
-        _fail(table, f"key must match {KEY_PATTERN}", ~ok, {})
-        if len(pc.unique(keys)) != len(keys):
+        _fail(table, f"key must match {KEY_PATTERN}", ~ok, {}, first_row=first_row)
+        if shard_samples is not None and len(pc.unique(keys)) != len(keys):
             raise DatasetError("index.parquet: column key holds duplicate keys")
     if "codec" in names:
         from shardtrain.format.codecs import CODECS
@@ -193,60 +195,62 @@ def check_index(table, shard_bytes: list[int], shard_samples: list[int]) -> None
     shard = _col(table, "shard", np.int64)
     if shard is not None:
         _fail(table, f"shard must be in [0, {len(shard_bytes)})", (shard < 0) | (shard >= len(shard_bytes)),
-              {"shard": shard})
+              {"shard": shard}, first_row=first_row)
         counts = np.bincount(shard, minlength=len(shard_bytes))
-        wrong = np.flatnonzero(counts != np.asarray(shard_samples, np.int64))
+        wrong = (np.flatnonzero(counts != np.asarray(shard_samples, np.int64)) if shard_samples is not None
+                 else np.zeros(0, np.int64))
         if len(wrong):
             i = int(wrong[0])
-            raise DatasetError(f"index.parquet: {counts[i]} rows for shard {i}, the manifest says {shard_samples[i]}")
-    _check_numbers(table)
-    _check_offsets(table, shard, np.asarray(shard_bytes, np.int64))
+            raise DatasetError(f"index.parquet: {counts[i]} rows for shard {i}, the manifest says "
+                               f"{shard_samples[i]}")  # type: ignore[index]
+    _check_numbers(table, first_row)
+    _check_offsets(table, shard, np.asarray(shard_bytes, np.int64), first_row)
 
 
-def _check_numbers(table) -> None:
+def _check_numbers(table, first_row: int = 0) -> None:
     dur = _col(table, "duration_s", np.float64)
     rate = _col(table, "sample_rate_hz", np.int64)
     chans = _col(table, "channels", np.int64)
     n = _col(table, "num_samples", np.int64)
     if dur is not None:
         _fail(table, f"duration_s must be finite and in [0, {MAX_DURATION_S}]",
-              ~np.isfinite(dur) | (dur < 0) | (dur > MAX_DURATION_S), {"duration_s": dur})
+              ~np.isfinite(dur) | (dur < 0) | (dur > MAX_DURATION_S), {"duration_s": dur}, first_row=first_row)
     if rate is not None:
         _fail(table, f"sample_rate_hz must be in [1, {MAX_SAMPLE_RATE_HZ}]", (rate < 1) | (rate > MAX_SAMPLE_RATE_HZ),
-              {"sample_rate_hz": rate})
+              {"sample_rate_hz": rate}, first_row=first_row)
     if chans is not None:
         _fail(table, f"channels must be in [1, {MAX_CHANNELS}]", (chans < 1) | (chans > MAX_CHANNELS),
-              {"channels": chans})
+              {"channels": chans}, first_row=first_row)
     if n is not None:
         # a reader allocates num_samples per row before decoding: bound it by the row's duration (+1 s)
         limit = (dur * rate + rate) if dur is not None and rate is not None else MAX_DURATION_S * MAX_SAMPLE_RATE_HZ
         _fail(table, "num_samples must be >= 0 and at most duration_s x sample_rate_hz + 1 s",
-              (n < 0) | (n > limit), {"num_samples": n})
+              (n < 0) | (n > limit), {"num_samples": n}, first_row=first_row)
     asize = _col(table, "audio_size", np.int64)
     if asize is not None and dur is not None and rate is not None and chans is not None:
         limit = 4096 + dur * rate * chans * 8  # 8 bytes per sample: float64 WAV, the largest codec stores
         _fail(table, "audio_size is larger than any codec stores for the row's duration", asize > limit,
-              {"audio_size": asize, "duration_s": dur})
+              {"audio_size": asize, "duration_s": dur}, first_row=first_row)
 
 
-def _check_offsets(table, shard: np.ndarray | None, shard_bytes: np.ndarray) -> None:
+def _check_offsets(table, shard: np.ndarray | None, shard_bytes: np.ndarray, first_row: int = 0) -> None:
     cols = {k: _col(table, k, np.int64) for k in ("offset", "size", "audio_offset", "audio_size", "json_offset",
                                                    "json_size")}
     present = {k: v for k, v in cols.items() if v is not None}
     for k, v in present.items():
-        _fail(table, f"{k} must be >= 0", v < 0, {k: v})
+        _fail(table, f"{k} must be >= 0", v < 0, {k: v}, first_row=first_row)
     for k, hi in (("audio_size", MAX_AUDIO_BYTES), ("json_size", MAX_JSON_BYTES)):
         if k in present:
-            _fail(table, f"{k} must be <= {hi}", present[k] > hi, {k: present[k]})
+            _fail(table, f"{k} must be <= {hi}", present[k] > hi, {k: present[k]}, first_row=first_row)
     end = shard_bytes[shard] if shard is not None else None
     for a, s in (("audio_offset", "audio_size"), ("json_offset", "json_size"), ("offset", "size")):
         if a in present and s in present:
             if a != "offset":
                 _fail(table, f"{a} must leave room for its {BLOCK}-byte tar header", present[a] < BLOCK,
-                      {a: present[a]})
+                      {a: present[a]}, first_row=first_row)
             if end is not None:
                 _fail(table, "member ends past the end of its shard (manifest bytes)",
-                      present[a] + present[s] > end, {a: present[a], s: present[s]})
+                      present[a] + present[s] > end, {a: present[a], s: present[s]}, first_row=first_row)
     if len(present) < 6:
         return
     off, size, ao, asz, jo, jsz = (present[k] for k in ("offset", "size", "audio_offset", "audio_size",
@@ -254,11 +258,12 @@ def _check_offsets(table, shard: np.ndarray | None, shard_bytes: np.ndarray) -> 
     stop = off + size
     inside = (ao - BLOCK >= off) & (ao + asz <= stop) & (jo - BLOCK >= off) & (jo + jsz <= stop)
     _fail(table, "audio and json members (with their headers) must lie inside [offset, offset + size)", ~inside,
-          {"offset": off, "size": size, "audio_offset": ao, "json_offset": jo})
+          {"offset": off, "size": size, "audio_offset": ao, "json_offset": jo}, first_row=first_row)
     apart = (ao + asz <= jo - BLOCK) | (jo + jsz <= ao - BLOCK)
-    _fail(table, "audio and json members overlap", ~apart, {"audio_offset": ao, "json_offset": jo})
+    _fail(table, "audio and json members overlap", ~apart, {"audio_offset": ao, "json_offset": jo}, first_row=first_row)
     _fail(table, f"size exceeds its members by more than {MEMBER_SLACK_BYTES} bytes",
-          size > asz + jsz + MEMBER_SLACK_BYTES, {"size": size, "audio_size": asz, "json_size": jsz})
+          size > asz + jsz + MEMBER_SLACK_BYTES, {"size": size, "audio_size": asz, "json_size": jsz},
+          first_row=first_row)
     if shard is not None and len(off) > 1:
         order = np.lexsort((off, shard))
         same = shard[order][1:] == shard[order][:-1]
@@ -266,5 +271,6 @@ def _check_offsets(table, shard: np.ndarray | None, shard_bytes: np.ndarray) -> 
         if overlap.any():
             i = int(np.flatnonzero(overlap)[0])
             r0, r1 = int(order[i]), int(order[i + 1])
-            raise DatasetError(f"index.parquet rows {r0} and {r1} overlap in shard {int(shard[r0])}: bytes "
+            raise DatasetError(f"index.parquet rows {first_row + r0} and {first_row + r1} overlap in shard "
+                               f"{int(shard[r0])}: bytes "
                                f"[{off[r0]}, {stop[r0]}) and [{off[r1]}, {stop[r1]}) ({int(overlap.sum())} such pairs)")

@@ -1,6 +1,7 @@
 """Planning at block granularity for very large corpora (issue 11.4): every rank plans the same small block
-table, then loads and deals only its own rows. Not wired into the Loader yet; benchmarks/bench_plan_scale.py
---simulate runs it for 1k..100M rows and 1..1,024 ranks.
+table, then loads and deals only its own rows. The Loader uses it above StreamConfig.block_plan_min_rows (with
+the index memory-mapped once per node, load/mapped.py); benchmarks/bench_plan_scale.py --simulate runs it for
+1k..100M rows and 1..1,024 ranks.
 
     index (duration-sorted) -> blocks: runs of ~`block_s` seconds of audio (a block never mixes over-budget rows
          with others); per block: first row, rows, cost, max cost, bytes       (~30 B per block; 100M rows = ~100 MB
@@ -16,17 +17,21 @@ table, then loads and deals only its own rows. Not wired into the Loader yet; be
 Properties, the same as plan_epoch's: exactly once (each block in one chunk), equal steps (M_g per group),
 budget (list-scheduling bound), lock-step duration bands (a group is one bucket), batch composition new every
 epoch (blocks re-dealt). Memory per rank: the block table plus its own ~1/world_size of the rows.
-Left out for now: elastic re-striping at block granularity (a partly consumed block) and max_batch_size.
+Elastic re-striping: wholly consumed groups leave the next plan by block (`exclude`), the one partly consumed
+group by row (`exclude_rows`, at most world_size chunks of rows). Left out: max_batch_size.
 """
 from __future__ import annotations
 
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from shardtrain.load.plan import FILL_TARGET, BucketConfig, estimate_bins
+from typing import Iterator
+
+from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, estimate_bins
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,22 +47,48 @@ class Blocks:
         return len(self.start)
 
 
-def make_blocks(cost: np.ndarray, size: np.ndarray, block_s: float, budget: float) -> Blocks:
-    """Blocks of about `block_s` seconds of duration-sorted rows (`cost` ascending): equal audio, so a chunk of a
-    few blocks is balanced whatever the durations; over-budget rows get blocks of their own. O(rows), numpy."""
-    n = len(cost)
-    cut = int(np.searchsorted(cost, budget, side="right"))  # rows [cut, n) are too long
-    cs = np.concatenate([[0.0], np.cumsum(cost)])
-    inner = (np.searchsorted(cs[1:cut + 1], np.arange(block_s, cs[cut], block_s), side="left") + 1 if cut
-             else np.zeros(0, np.int64))
-    starts = np.unique(np.concatenate([[0], inner, np.arange(cut, n, 64)])).astype(np.int64)
+WINDOW_ROWS = 1 << 22
+"""Rows make_blocks holds at a time (~100 MB of temporaries): the index may be a 100M-row memory map."""
+
+
+def make_blocks(duration_s, size, block_s: float, budget: float,
+                cost_fn: Callable[[np.ndarray], np.ndarray] | None = None) -> Blocks:
+    """Blocks of about `block_s` seconds of duration-sorted rows (`duration_s` ascending; array or memory map):
+    equal audio, so a chunk of a few blocks is balanced whatever the durations; over-budget rows (cost_fn(d) >
+    budget) get blocks of their own, 64 rows each. Streams the columns WINDOW_ROWS at a time: memory is O(blocks)."""
+    cost_fn = cost_fn or (lambda d: d)
+    n = len(duration_s)
+    cut, base, found = 0, 0.0, [np.zeros(1, np.int64)]
+    for a in range(0, n, WINDOW_ROWS):  # block starts where the running audio passes a multiple of block_s
+        c = window_cost(duration_s, cost_fn, a, min(n, a + WINDOW_ROWS))
+        c = c[: int(np.searchsorted(c, budget, side="right"))]
+        if len(c) == 0:
+            break
+        cs = base + np.cumsum(c)
+        marks = np.arange(math.floor(base / block_s) + 1, math.ceil(cs[-1] / block_s)) * block_s
+        found.append(np.searchsorted(cs, marks, side="left") + a + 1)
+        base, cut = float(cs[-1]), a + len(c)
+        if len(c) < min(WINDOW_ROWS, n - a):
+            break
+    starts = np.unique(np.concatenate([*found, np.arange(cut, n, 64)])).astype(np.int64)
     starts = starts[starts < n]
     ends = np.append(starts[1:], n)
-    bs = np.concatenate([[0], np.cumsum(size)])
-    mx = np.maximum.reduceat(cost, starts) if n else np.zeros(0)
-    return Blocks(start=starts, rows=(ends - starts).astype(np.int32), cost=cs[ends] - cs[starts],
-                  max_cost=mx.astype(np.float32), nbytes=(bs[ends] - bs[starts]).astype(np.int64),
+    cost, max_cost, nbytes = np.zeros(len(starts)), np.zeros(len(starts), np.float32), np.zeros(len(starts), np.int64)
+    b = 0
+    while b < len(starts):  # per-block sums over windows that hold whole blocks (at least one)
+        e = max(b + 1, int(np.searchsorted(ends, starts[b] + WINDOW_ROWS, side="right")))
+        lo, hi = int(starts[b]), int(ends[e - 1])
+        c, rel = window_cost(duration_s, cost_fn, lo, hi), starts[b:e] - lo
+        cost[b:e] = np.add.reduceat(c, rel)
+        max_cost[b:e] = np.maximum.reduceat(c, rel)
+        nbytes[b:e] = np.add.reduceat(np.asarray(size[lo:hi], np.int64), rel)
+        b = e
+    return Blocks(start=starts, rows=(ends - starts).astype(np.int32), cost=cost, max_cost=max_cost, nbytes=nbytes,
                   too_long=starts >= cut)
+
+
+def window_cost(duration_s, cost_fn: Callable[[np.ndarray], np.ndarray], lo: int, hi: int) -> np.ndarray:
+    return cost_fn(np.asarray(duration_s[lo:hi], np.float64))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +129,12 @@ def _rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 4242])))
 
 
-def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig) -> BlockPlan:
+def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
+                exclude: np.ndarray | None = None) -> BlockPlan:
     """Every rank's chunks as block ranges, and each group's batch count. Pure; O(blocks) numpy plus a Python
-    loop over buckets only."""
+    loop over buckets only. `exclude` (bool per block) leaves out blocks consumed before an elastic re-stripe."""
     rng = _rng(seed, epoch)
-    ok = np.flatnonzero(~blocks.too_long)
+    ok = np.flatnonzero(~blocks.too_long if exclude is None else ~blocks.too_long & ~exclude)
     if 0 < int(blocks.rows[ok].sum()) < world_size:
         raise ValueError(f"{int(blocks.rows[ok].sum())} samples for {world_size} ranks: use fewer ranks")
     budget = cfg.max_batch_seconds
@@ -170,12 +202,66 @@ def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float,
     return [np.asarray(o, np.int64) for o in out]
 
 
+def group_batches(plan: BlockPlan, blocks: Blocks, cost_of: Callable[[np.ndarray], np.ndarray], g: int, rank: int,
+                  seed: int, exclude_rows: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(rows, batches) of `rank`'s chunk in group g (step order): its blocks' rows, less `exclude_rows` (sorted;
+    rows consumed before an elastic re-stripe), dealt into the group's M_g batches. Pure and independent per group
+    (its own random stream), so a resume deals only the groups it still needs. `cost_of(rows)` gives budget costs
+    of index rows: a rank only ever loads its own."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, plan.epoch, 4243, rank, g])))
+    rows = chunk_rows(blocks, plan.chunk(g, rank))
+    if exclude_rows is not None and len(exclude_rows):
+        rows = rows[~np.isin(rows, exclude_rows, assume_unique=True)]
+    return rows, deal_chunk(rows, cost_of(rows), int(plan.group_m[g]), plan.budget, rng)
+
+
 def rank_batches(plan: BlockPlan, blocks: Blocks, cost_of, rank: int, seed: int) -> list[np.ndarray]:
-    """Rank `rank`'s batches for the epoch; `cost_of(rows)` gives budget costs of index rows (only this rank's
-    rows are ever asked for: that is all a rank loads)."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, plan.epoch, 4243, rank])))
-    out: list[np.ndarray] = []
+    """Rank `rank`'s batches for the whole epoch (the simulator's view; the Loader deals group by group)."""
+    return [b for g in range(len(plan.group_m)) for b in group_batches(plan, blocks, cost_of, g, rank, seed)[1]]
+
+
+def consumed(plan: BlockPlan, blocks: Blocks, cost_of, steps: int, seed: int,
+             exclude_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What the first `steps` steps of `plan` delivered on all ranks, for an elastic re-stripe: (bool per block:
+    wholly consumed, sorted rows of the partly consumed group). Deals only the one partly consumed group."""
+    done = np.zeros(len(blocks), bool)
+    rows: list[np.ndarray] = []
+    left = steps
     for g, m in enumerate(plan.group_m.tolist()):
-        rows = chunk_rows(blocks, plan.chunk(g, rank))
-        out.extend(deal_chunk(rows, cost_of(rows), m, plan.budget, rng))
-    return out
+        if left <= 0:
+            break
+        if left >= m:
+            for r in range(plan.world_size):
+                done[plan.chunk(g, r)] = True
+        else:
+            for r in range(plan.world_size):
+                rows.extend(group_batches(plan, blocks, cost_of, g, r, seed, exclude_rows)[1][:left])
+        left -= m
+    part = np.sort(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
+    return done, part
+
+
+def block_epoch(blocks: Blocks, cost_of, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
+                chain: list | tuple = ()) -> tuple[BlockPlan, np.ndarray]:
+    """(plan, rows to leave out) for `epoch` after the steps of `chain` ([world size, steps] pairs: earlier
+    segments of this epoch under other world sizes): each segment's wholly consumed groups leave by block, its
+    partly consumed group by row. Re-deals one group per segment, so an elastic resume costs O(blocks)."""
+    exclude: np.ndarray | None = None
+    rows = np.zeros(0, np.int64)
+    for ws, steps in chain:
+        prev = plan_blocks(blocks, seed=seed, epoch=epoch, world_size=int(ws), cfg=cfg, exclude=exclude)
+        done, part = consumed(prev, blocks, cost_of, int(steps), seed, rows)
+        exclude = done if exclude is None else exclude | done
+        rows = np.union1d(rows, part)
+    return plan_blocks(blocks, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg, exclude=exclude), rows
+
+
+def chunks_from(plan: BlockPlan, blocks: Blocks, cost_of, rank: int, seed: int, exclude_rows: np.ndarray,
+                step: int) -> Iterator[tuple[int, Chunk]]:
+    """(first step, Chunk) of `rank`'s groups that end after `step`, dealt one at a time as the reader asks."""
+    first = 0
+    for g, m in enumerate(plan.group_m.tolist()):
+        if first + m > step:
+            rows, batches = group_batches(plan, blocks, cost_of, g, rank, seed, exclude_rows)
+            yield first, Chunk(rows=rows, batches=tuple(batches))
+        first += m

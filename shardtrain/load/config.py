@@ -53,6 +53,19 @@ class StreamConfig:
     (a flipped byte in a shard). False saves that memory; the header checksum, name and size checks remain."""
     max_error_keys: int = 1000
     """Skipped keys kept in stats/state (counts are always exact)."""
+    planner: str = "auto"
+    """"rows": plan_epoch over the whole index in every rank (~70 B a row per rank, plus keys and transcripts;
+    batches ~90% of the budget). "blocks": the block planner (load/blockplan.py) over an index memory-mapped once
+    per node (load/mapped.py): memory and plan time per rank independent of corpus size, batches ~75% of the
+    budget (more steps per epoch). "auto": blocks from `block_plan_min_rows` rows on; mixtures always plan rows."""
+    block_plan_min_rows: int = 4_000_000
+    """Where "auto" switches to blocks: at 4M rows plan_epoch holds ~400 MB in each rank (3 GB on an 8-GPU node)."""
+    block_s: float = 600.0
+    """Audio seconds per block of the block planner: the unit dealt to ranks (smaller: more variety, a larger
+    block table; 600 s: ~1.3M blocks, ~40 MB at 100M rows)."""
+    index_cache_dir: str | None = None
+    """Node-local folder for the block planner's memory-mapped index (~70 B a row plus keys and transcripts on
+    disk; built by the first rank of a node); None: `<tempdir>/shardtrain-index`."""
     pcm_dtype: str = "float32"
     """Batch.waves dtype: "float32" in [-1, 1), or "int16" (raw PCM; half the host memory traffic, ~10% more
     throughput on 2 cores; the trainer converts on the device)."""
@@ -70,5 +83,9 @@ class StreamConfig:
             raise ValueError("stream.retry_budget_s and stream.retries must be >= 0")
         if not 0.0 <= self.max_skipped_share <= 1.0:
             raise ValueError(f"stream.max_skipped_share must be in [0, 1], got {self.max_skipped_share}")
+        if self.planner not in ("auto", "rows", "blocks"):
+            raise ValueError(f"stream.planner must be 'auto', 'rows' or 'blocks', got {self.planner!r}")
+        if self.block_s <= 0 or self.block_plan_min_rows < 0:
+            raise ValueError("stream.block_s must be > 0 and stream.block_plan_min_rows >= 0")
         if self.pcm_dtype not in ("float32", "int16"):
             raise ValueError(f"stream.pcm_dtype must be 'float32' or 'int16', got {self.pcm_dtype!r}")

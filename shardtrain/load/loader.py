@@ -33,6 +33,8 @@ import torch
 
 from shardtrain import storage
 from shardtrain.format.manifest import Dataset, open_dataset
+from shardtrain.load.blockplan import Blocks, block_epoch, chunks_from, plan_blocks
+from shardtrain.load.mapped import default_root, mapped_blocks, open_mapped
 from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s, plan_epoch
 from shardtrain.load.reader import CHECK_COLUMNS, ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
@@ -88,20 +90,34 @@ def index_at(idx: IndexSource, epoch: int) -> PlanIndex:
     return idx(epoch) if callable(idx) else idx
 
 
-def _chunk_schedule(idx: IndexSource, seed: int, world: World, cfg: StreamConfig,
-                    start: _Cursor) -> Iterator[tuple[int, int, Chunk, int]]:
+def _rank_chunks(idx: PlanIndex, blocks: Blocks | None, seed: int, epoch: int, world: World, cfg: BucketConfig,
+                 chain: tuple, step: int) -> Iterator[tuple[int, Chunk]]:
+    """(first step, chunk) of this rank's chunks in `epoch` that end after `step`, from either planner."""
+    if blocks is not None:
+        cost_of = lambda rows: cost_s(np.asarray(idx.duration_s[rows]), cfg)  # noqa: E731
+        bplan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world.world_size, cfg=cfg,
+                                  chain=chain)
+        if bplan.steps == 0 and not chain:
+            raise StreamError(f"epoch {epoch} has no batch to plan (every sample excluded); stopping")
+        yield from chunks_from(bplan, blocks, cost_of, world.rank, seed, gone, step)
+        return
+    plan = epoch_plan(idx, seed, epoch, world.world_size, cfg, chain)
+    if plan.steps == 0 and not chain:  # a full epoch without a batch: every later one is the same
+        raise StreamError(f"epoch {epoch} has no batch to plan (every sample excluded); stopping")
+    first = 0
+    for chunk in plan.rank_chunks(world.rank):
+        if first + len(chunk.batches) > step:
+            yield first, chunk
+        first += len(chunk.batches)
+
+
+def _chunk_schedule(idx: IndexSource, seed: int, world: World, cfg: StreamConfig, start: _Cursor,
+                    blocks: Blocks | None = None) -> Iterator[tuple[int, int, Chunk, int]]:
     """(epoch, first step of chunk, chunk, batches to skip) for this rank from `start`, in plan order."""
     epoch, step, chain = start.epoch, start.step, start.chain
     while cfg.epochs is None or epoch < cfg.epochs:
-        plan = epoch_plan(index_at(idx, epoch), seed, epoch, world.world_size, cfg.bucket, chain)
-        if plan.steps == 0 and not chain:  # a full epoch without a batch: every later one is the same
-            raise StreamError(f"epoch {epoch} has no batch to plan (every sample excluded); stopping")
-        first = 0
-        for chunk in plan.rank_chunks(world.rank):
-            m = len(chunk.batches)
-            if first + m > step:
-                yield epoch, max(first, step), chunk, max(0, step - first)
-            first += m
+        for first, chunk in _rank_chunks(index_at(idx, epoch), blocks, seed, epoch, world, cfg.bucket, chain, step):
+            yield epoch, max(first, step), chunk, max(0, step - first)
         epoch, step, chain = epoch + 1, 0, ()
 
 
@@ -112,15 +128,17 @@ class ChunkStream(torch.utils.data.IterableDataset):
     w, w+N, ... of the schedule, so DataLoader's round-robin yields them in schedule order.
     """
 
-    def __init__(self, ds: Dataset, idx: IndexSource, seed: int, world: World, cfg: StreamConfig, start: _Cursor):
+    def __init__(self, ds: Dataset, idx: IndexSource, seed: int, world: World, cfg: StreamConfig, start: _Cursor,
+                 blocks: Blocks | None = None):
         self.ds, self.idx, self.seed, self.world, self.cfg, self.start = ds, idx, seed, world, cfg, start
+        self.blocks = blocks
 
     def __iter__(self) -> Iterator[ChunkBatches]:
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         reader = ChunkReader(self.ds, index_at(self.idx, self.start.epoch), self.cfg)
         pending: list[Future] = []
-        sched = _chunk_schedule(self.idx, self.seed, self.world, self.cfg, self.start)
+        sched = _chunk_schedule(self.idx, self.seed, self.world, self.cfg, self.start, self.blocks)
         mine = ((j, item) for j, item in enumerate(sched) if j % nw == wid)
         try:
             for j, (epoch, first, chunk, skip) in mine:
@@ -153,18 +171,29 @@ class Loader:
     chain, counters}. It is the same on every rank (counters aside), so any rank's copy resumes all of them.
     """
 
+    blocks: Blocks | None = None
+    """The block table when planning by blocks (StreamConfig.planner); None plans rows (plan_epoch)."""
+
     def __init__(self, url: str, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
                  storage_options: dict | None = None):
         self.world, self.seed, self.cfg = world, seed, cfg
         self.ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
-        checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
-        table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
-        rates = np.unique(table.column("sample_rate_hz").to_numpy())
+        rows = sum(s.samples for s in self.ds.shards)
+        if cfg.planner == "blocks" or (cfg.planner == "auto" and rows >= cfg.block_plan_min_rows):
+            mi = open_mapped(self.ds, cfg.index_cache_dir or default_root(), text=cfg.check_transcripts)
+            self.idx, self.fingerprint, rates = mi.idx, mi.meta["fingerprint"], np.asarray(mi.meta["sample_rates"])
+            self.blocks = mapped_blocks(mi, cfg.bucket, cfg.block_s)
+            log.info("%s: %d rows, planned by %d blocks of ~%g s (index memory-mapped in %s)", url, rows,
+                     len(self.blocks), cfg.block_s, mi.folder)
+        else:
+            checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
+            table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
+            rates = np.unique(table.column("sample_rate_hz").to_numpy())
+            self.idx = PlanIndex.from_table(table)
+            self.fingerprint = self.idx.fingerprint()
         if len(rates) > 1:
             raise StreamError(f"{url} mixes sample rates {rates.tolist()}; repack with `shardtrain pack --sample-rate`")
         self.sample_rate_hz = int(rates[0]) if len(rates) else 16000
-        self.idx = PlanIndex.from_table(table)
-        self.fingerprint = self.idx.fingerprint()
         self.counters = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0}
         self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
         """Seconds per stage, summed over threads and workers (not part of the state: not reproducible)."""
@@ -176,7 +205,8 @@ class Loader:
         if state is not None:
             self._load_state(state)
         # the plan leaves out the same utterances every epoch (alone over budget): count them, no re-planning
-        self.too_long_per_epoch = int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum())
+        self.too_long_per_epoch = (int(self.blocks.rows[self.blocks.too_long].sum()) if self.blocks is not None else
+                                   int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum()))
         _refuse_empty_plan(url, len(self.idx), self.too_long_per_epoch, world, cfg.bucket)
         if self.too_long_per_epoch:
             log.warning("%d utterances are longer than max_batch_seconds=%g and are left out of every epoch",
@@ -192,6 +222,9 @@ class Loader:
         if state.get("bucket") != _cfg_fingerprint(self.cfg.bucket):
             raise StreamError("loader state was saved with a different stream.bucket config; "
                               f"saved {state.get('bucket')}, now {_cfg_fingerprint(self.cfg.bucket)}")
+        if state.get("planner", "rows") != self.planner:
+            raise StreamError(f"loader state was planned by {state.get('planner', 'rows')}, this run plans by "
+                              f"{self.planner}; set stream.planner={state.get('planner', 'rows')} to resume it")
         if state.get("seed") != self.seed:
             raise StreamError(f"loader state has seed {state.get('seed')}, this run {self.seed}; use the same seed")
         chain = tuple(tuple(x) for x in state.get("chain", ()))
@@ -208,9 +241,14 @@ class Loader:
         """State after the last yielded batch (resuming from it yields the next batch)."""
         c = self.cursor
         return {"version": STATE_VERSION, "dataset": self.fingerprint, "bucket": self._bucket_fingerprint,
-                "seed": self.seed, "world_size": self.world.world_size, "epoch": c.epoch, "step": c.step,
+                "seed": self.seed, "planner": self.planner, "world_size": self.world.world_size, "epoch": c.epoch,
+                "step": c.step,
                 "chain": [list(x) for x in c.chain], "counters": dict(self.counters),
                 "skipped_keys": list(self.skipped_keys)}
+
+    @property
+    def planner(self) -> str:
+        return "rows" if self.blocks is None else "blocks"
 
     def load_state_dict(self, state: dict) -> None:
         """torchdata/`Stateful` convention: the next iteration starts at the batch after `state`'s (same checks as
@@ -229,6 +267,9 @@ class Loader:
 
     def steps_per_epoch(self, epoch: int = 0) -> int:
         """Batches every rank yields in `epoch` (a full epoch; a re-striped one differs)."""
+        if self.blocks is not None:
+            return plan_blocks(self.blocks, seed=self.seed, epoch=epoch, world_size=self.world.world_size,
+                               cfg=self.cfg.bucket).steps
         return epoch_plan(self.idx, self.seed, epoch, self.world.world_size, self.cfg.bucket).steps
 
     # -- iteration
@@ -244,12 +285,12 @@ class Loader:
 
     def _chunk_stream(self) -> ChunkStream:
         """This rank's chunks from the cursor on (read in this process, or by DataLoader workers)."""
-        return ChunkStream(self.ds, self.idx, self.seed, self.world, self.cfg, self.cursor)
+        return ChunkStream(self.ds, self.idx, self.seed, self.world, self.cfg, self.cursor, self.blocks)
 
     def _shards_ahead(self, limit: int) -> list[int]:
         """Up to `limit` distinct shards in the order this rank reads them, from the cursor to the epoch's end."""
         seen: dict[int, None] = {}
-        for epoch, _, chunk, _ in _chunk_schedule(self.idx, self.seed, self.world, self.cfg, self.cursor):
+        for epoch, _, chunk, _ in _chunk_schedule(self.idx, self.seed, self.world, self.cfg, self.cursor, self.blocks):
             if epoch != self.cursor.epoch or len(seen) >= limit:
                 break
             for b in chunk.batches:

@@ -104,10 +104,11 @@ class PlanIndex:
     num_samples: np.ndarray  # int64, so a reader can allocate a batch before decoding into it
     channels: np.ndarray  # int16
     key: Any = None
-    """pyarrow StringArray of sample keys when the table had them (the reader checks tar member names against
-    them and reports them; ~25 bytes a row in Arrow buffers, shared with forked workers); None otherwise."""
+    """Sample keys when the table had them (the reader checks tar member names against them and reports them):
+    a pyarrow StringArray (~25 bytes a row in Arrow buffers, shared with forked workers) or a memory-mapped
+    `load.mapped.MappedStrings`; None otherwise."""
     text: Any = None
-    """pyarrow StringArray of transcripts when read (the reader checks each `<key>.json` text against it)."""
+    """Transcripts when read, as `key` (the reader checks each `<key>.json` text against them)."""
 
     @classmethod
     def from_table(cls, table) -> "PlanIndex":
@@ -123,6 +124,11 @@ class PlanIndex:
 
     def __len__(self) -> int:
         return len(self.duration_s)
+
+    def string_at(self, column: str, row: int) -> str:
+        """Row `row` of the `key` or `text` column, whichever of Arrow array or MappedStrings holds it."""
+        v = getattr(self, column)[row]
+        return v if isinstance(v, str) else v.as_py()
 
     def fingerprint(self) -> str:
         """Identifies the dataset a saved state belongs to, so resume refuses a different one."""

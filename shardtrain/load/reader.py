@@ -151,7 +151,7 @@ class ChunkReader:
         idx = self.idx
         a0, a_len = int(idx.audio_offset[row]) - base, int(idx.audio_size[row])
         j0, j_len = int(idx.json_offset[row]) - base, int(idx.json_size[row])
-        key = idx.key[row].as_py() if idx.key is not None else f"row{row}"
+        key = idx.string_at("key", row) if idx.key is not None else f"row{row}"
         if a0 < BLOCK or j0 < BLOCK or a0 + a_len > have or j0 + j_len > have:
             return key, "", "truncated_shard: sample bytes past the end of the shard"
         if j_len > MAX_JSON_BYTES:
@@ -179,7 +179,7 @@ class ChunkReader:
         text = meta.get("text", "") if isinstance(meta, dict) else None
         if not isinstance(text, str):
             return key, "", "bad_json: no text string in the sample's json"
-        if idx.text is not None and text != idx.text[row].as_py():
+        if idx.text is not None and text != idx.string_at("text", row):
             return key, "", "index_mismatch: the json transcript differs from the index's"
         if meta.get("num_samples", int(idx.num_samples[row])) != int(idx.num_samples[row]):
             return key, "", f"index_mismatch: json num_samples {show(meta.get('num_samples'))} != index"
