@@ -8,7 +8,8 @@
     loader.py   Loader / build_loader: plan -> reader -> (Batch, state) with resume and elastic re-stripe
     mixture.py  weighted mixtures, pure: which rows of each dataset an epoch holds -> one gathered PlanIndex
     mixloader.py MixtureLoader / build_mixture: the Loader over several datasets (local and s3:// mixed)
-    blockplan.py the epoch plan at block granularity for 100M-row corpora (simulated; not in the Loader yet)
+    blockplan.py the epoch plan at block granularity for 100M-row corpora (stream.planner=blocks; auto from 4M rows)
+    mapped.py   the index as a node-shared memory map (built once per node) for the block planner
     bench.py    the loader timed per stage (`shardtrain bench`)
 
 Nothing here is imported by `shardtrain/__init__` eagerly, so `shardtrain pack` never loads torch.

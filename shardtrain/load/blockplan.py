@@ -18,7 +18,7 @@ Properties, the same as plan_epoch's: exactly once (each block in one chunk), eq
 budget (list-scheduling bound), lock-step duration bands (a group is one bucket), batch composition new every
 epoch (blocks re-dealt). Memory per rank: the block table plus its own ~1/world_size of the rows.
 Elastic re-striping: wholly consumed groups leave the next plan by block (`exclude`), the one partly consumed
-group by row (`exclude_rows`, at most world_size chunks of rows). Left out: max_batch_size.
+group by row (`exclude_rows`, at most world_size chunks of rows).
 """
 from __future__ import annotations
 
@@ -107,6 +107,8 @@ class BlockPlan:
     """Batches M_g of each group, in step order."""
     too_long_rows: int
     budget: float
+    cap: int | None
+    """max_batch_size (None: no cap)."""
     bucket: np.ndarray
     """Duration bucket of every block (-1: over budget); a group's chunks share one."""
 
@@ -159,8 +161,10 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
         nonempty = bounds[:-1] < bounds[1:]
         c_max = np.zeros(n)
         c_max[nonempty] = np.maximum.reduceat(blocks.max_cost[seq], bounds[:-1][nonempty])
-        need = np.ceil(c_cost / np.maximum(budget - c_max, 1e-9) - 1e-9)
-        need_all.append(np.maximum(1, np.minimum(need, c_rows)).astype(np.int64).reshape(-1, world_size).max(axis=1))
+        need = np.minimum(np.ceil(c_cost / np.maximum(budget - c_max, 1e-9) - 1e-9), c_rows)
+        if cfg.max_batch_size is not None:
+            need = np.maximum(need, np.ceil(c_rows / cfg.max_batch_size))
+        need_all.append(np.maximum(1, need).astype(np.int64).reshape(-1, world_size).max(axis=1))
         seqs.append(seq)
         bounds_all.append(base + bounds[1:])
         base += len(seq)
@@ -169,6 +173,7 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
     return BlockPlan(epoch=epoch, world_size=world_size, seq=np.concatenate(seqs) if seqs else np.zeros(0, np.int64),
                      bounds=np.concatenate(bounds_all), group_first=(order * world_size).astype(np.int64),
                      group_m=group_m[order], too_long_rows=int(blocks.rows[blocks.too_long].sum()), budget=budget,
+                     cap=cfg.max_batch_size,
                      bucket=np.where(blocks.too_long, -1,
                                      np.searchsorted(edges, blocks.cost / np.maximum(blocks.rows, 1), side="right")))
 
@@ -182,11 +187,13 @@ def chunk_rows(blocks: Blocks, ids: np.ndarray) -> np.ndarray:
     return offs + np.arange(int(counts.sum()))
 
 
-def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float,
-               rng: np.random.Generator) -> list[np.ndarray]:
+def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float, rng: np.random.Generator,
+               cap: int | None = None) -> list[np.ndarray]:
     """Rows (with their costs) in random order dealt round-robin into m batches; when one would exceed the budget,
     each row goes to the least-loaded batch instead (list scheduling: every batch stays under mean + longest row,
-    which the group's M_g keeps within the budget; a Python loop, so only as a fallback)."""
+    which the group's M_g keeps within the budget; a Python loop, so only as a fallback). `cap` (max_batch_size)
+    holds too: the group's M_g is at least rows / cap, round-robin sizes differ by at most one, and the fallback
+    passes over full batches."""
     p = rng.permutation(len(rows))
     rows, cost = rows[p], cost[p]
     if m == 1:
@@ -198,7 +205,8 @@ def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float,
     for r, c in zip(rows.tolist(), cost.tolist()):
         load, i = heapq.heappop(heap)
         out[i].append(r)
-        heapq.heappush(heap, (load + c, i))
+        if cap is None or len(out[i]) < cap:
+            heapq.heappush(heap, (load + c, i))
     return [np.asarray(o, np.int64) for o in out]
 
 
@@ -212,7 +220,7 @@ def group_batches(plan: BlockPlan, blocks: Blocks, cost_of: Callable[[np.ndarray
     rows = chunk_rows(blocks, plan.chunk(g, rank))
     if exclude_rows is not None and len(exclude_rows):
         rows = rows[~np.isin(rows, exclude_rows, assume_unique=True)]
-    return rows, deal_chunk(rows, cost_of(rows), int(plan.group_m[g]), plan.budget, rng)
+    return rows, deal_chunk(rows, cost_of(rows), int(plan.group_m[g]), plan.budget, rng, plan.cap)
 
 
 def rank_batches(plan: BlockPlan, blocks: Blocks, cost_of, rank: int, seed: int) -> list[np.ndarray]:

@@ -16,6 +16,11 @@ main process, never by workers, so a checkpoint cannot run ahead of the trainer.
 
 A resume with a different world size re-plans only the rest of the epoch: rows consumed under the old world
 size are recomputed from the (pure) plan and excluded (`chain` in the state).
+
+Two planners (StreamConfig.planner): `plan_epoch` over the whole index held by every rank (~70 B a row), or,
+from `block_plan_min_rows` rows, `blockplan` over a node-shared memory map of the index (load/mapped.py): every
+rank plans the same block table and deals only its own groups, one at a time, so memory and start-up per rank do
+not grow with the corpus (benchmarks/bench_block_loader.py).
 """
 from __future__ import annotations
 

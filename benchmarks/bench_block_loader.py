@@ -1,0 +1,228 @@
+"""The Loader at scale (issue 11.4): `stream.planner` rows vs blocks through the Loader's own code path.
+
+    synthetic dataset of N rows: index.parquet with every column (INDEX_SCHEMA, 131k-row groups, keys and
+    LibriSpeech-length transcripts) + manifest.json with its ~256 MB shards; no audio (planning never reads it)
+      -> cold map: open_mapped (index.parquet -> node-local memory map, once per node): wall s, peak RSS
+      -> per planner, one node: ranks 0..R-1 of a --world-size world as concurrent processes, each
+           build_loader + its first chunk scheduled (time to first batch, less that batch's read and decode),
+           then the rest of its epoch-0 schedule (plan + deal per epoch), then a barrier and the memory reading:
+           PSS per process summed over the node (map pages shared by the ranks counted once), minus each
+           process's PSS after imports (torch), and its peak RSS
+    real audio (the 4k espeak corpus of bench_loader, cached in --work-dir): one epoch in-process per planner:
+      first batch s, audio-s/s, padding, batches (blocks deal ~75%-full batches: more steps)
+
+The rows planner is run with --rows-ranks processes (default 1: at 10M rows one rank holds ~2 GB); its node
+figure is that rank's growth x ranks per node, which the table says. Run:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_block_loader.py                       # 1M and 10M rows
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_block_loader.py --rows 30000000 --no-audio
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from bench_plan_scale import synthetic_columns  # noqa: E402
+
+log = logging.getLogger("bench")
+TEXT = "he hoped there would be stew for dinner turnips and carrots and bruised potatoes and fat mutton pieces"
+
+
+def write_dataset(folder: Path, n: int) -> str:
+    """index.parquet + manifest.json of n synthetic rows (written once per n, reused)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardtrain.format.manifest import INDEX_SCHEMA, ROW_GROUP, shard_name
+
+    if (folder / "manifest.json").exists():
+        return str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cols = synthetic_columns(n)
+    with pq.ParquetWriter(folder / "index.parquet", INDEX_SCHEMA, compression="zstd") as w:
+        for a in range(0, n, ROW_GROUP):
+            b = min(n, a + ROW_GROUP)
+            keys = np.char.add("spk-chapter-utt", np.char.zfill(np.arange(a, b).astype("U9"), 9))
+            part = {k: v[a:b] for k, v in cols.items()}
+            w.write_table(pa.table({
+                **part, "key": pa.array(keys), "codec": pa.array(np.full(b - a, "flac")),
+                "sample_rate_hz": np.full(b - a, 16000, np.int32), "text": pa.array(np.full(b - a, TEXT)),
+                "speaker": pa.array(np.full(b - a, "spk")), "language": pa.array(np.full(b - a, "en")),
+                "source": pa.array(keys)}).select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA))
+    shard, end, dur = cols["shard"], cols["offset"] + cols["size"], cols["duration_s"]
+    shards = []
+    for s in range(int(shard.max()) + 1):
+        m = shard == s
+        shards.append({"name": shard_name(s), "samples": int(m.sum()), "seconds": float(dur[m].sum()),
+                       "min_duration_s": float(dur[m].min()), "max_duration_s": float(dur[m].max()),
+                       "bytes": int(end[m].max()), "sha256": "0" * 64})
+    manifest = {"format": "shardtrain", "format_version": 1, "index": "index.parquet", "shards": shards,
+                "totals": {"samples": n, "seconds": float(dur.sum()), "bytes": int(sum(s["bytes"] for s in shards)),
+                           "shards": len(shards), "rejects": 0}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return str(folder)
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def map_cold(url: str, cache: str) -> dict:
+    """Fresh interpreter: the once-per-node build of the memory map."""
+    from shardtrain.format.manifest import open_dataset
+    from shardtrain.load.mapped import open_mapped
+
+    shutil.rmtree(cache, ignore_errors=True)
+    base = _maxrss_mb()
+    t0 = time.perf_counter()
+    mi = open_mapped(open_dataset(url), cache, text=True)
+    wall = time.perf_counter() - t0
+    disk = sum(p.stat().st_size for p in mi.folder.iterdir())
+    return {"map_s": round(wall, 2), "map_peak_rss_growth_mb": round(_maxrss_mb() - base, 1),
+            "map_disk_mb": round(disk / 2**20, 1)}
+
+
+def rank_run(url: str, planner: str, world_size: int, rank: int, cache: str, barrier: str, ranks: int) -> dict:
+    """One rank: Loader start-up to its first chunk, then its epoch-0 schedule; memory read at a node barrier."""
+    import psutil
+    import pyarrow.compute  # noqa: F401 - imported lazily by the index checks: not planning memory
+    import pyarrow.parquet  # noqa: F401
+
+    from shardtrain.load.config import StreamConfig
+    from shardtrain.load.loader import _chunk_schedule, build_loader
+    from shardtrain.world import World
+
+    proc = psutil.Process()
+    pss0 = proc.memory_full_info().pss
+    t0 = time.perf_counter()
+    loader = build_loader(url, world=World(rank=rank, world_size=world_size), seed=0,
+                          cfg=StreamConfig(planner=planner, index_cache_dir=cache, epochs=1))
+    sched = _chunk_schedule(loader.idx, loader.seed, loader.world, loader.cfg, loader.cursor, loader.blocks)
+    first = next(sched)
+    first_s = time.perf_counter() - t0
+    batches, rows = len(first[2].batches), len(first[2].rows)
+    t1 = time.perf_counter()
+    for _, _, chunk, _ in sched:
+        batches += len(chunk.batches)
+        rows += len(chunk.rows)
+    epoch_s = time.perf_counter() - t1 + first_s
+    Path(barrier, f"{rank}").touch()
+    deadline = time.time() + 600
+    while len(list(Path(barrier).iterdir())) < ranks and time.time() < deadline:
+        time.sleep(0.05)
+    mem = proc.memory_full_info()
+    time.sleep(1.0)  # every rank reads its memory while all are alive
+    return {"rank": rank, "first_chunk_s": round(first_s, 3), "epoch_schedule_s": round(epoch_s, 2),
+            "steps": batches, "rows": rows, "pss_growth_mb": round((mem.pss - pss0) / 2**20, 1),
+            "uss_mb": round(mem.uss / 2**20, 1), "peak_rss_mb": round(_maxrss_mb(), 1)}
+
+
+def node_run(url: str, planner: str, world_size: int, ranks: int, cache: str, work: Path) -> dict:
+    """`ranks` concurrent rank processes (ranks 0..ranks-1) of a world_size world: one node."""
+    barrier = work / f"barrier-{planner}-{time.time_ns()}"
+    barrier.mkdir()
+    code = ("import sys, json; sys.path.insert(0, {bd!r}); import bench_block_loader as m; "
+            "print('@@RESULT@@' + json.dumps(m.rank_run(**json.loads(sys.argv[1]))))").format(bd=str(common.BENCH_DIR))
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
+        {"url": url, "planner": planner, "world_size": world_size, "rank": r, "cache": cache,
+         "barrier": str(barrier), "ranks": ranks})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=str(common.REPO)) for r in range(ranks)]
+    out = []
+    for p in procs:
+        so, se = p.communicate(timeout=1800)
+        line = next((x for x in reversed(so.splitlines()) if x.startswith("@@RESULT@@")), None)
+        if line is None:
+            raise RuntimeError(f"rank process failed (rc {p.returncode}): {se[-2000:]}")
+        out.append(json.loads(line[len("@@RESULT@@"):]))
+    shutil.rmtree(barrier, ignore_errors=True)
+    return {"planner": planner, "ranks": ranks, "world_size": world_size,
+            "first_chunk_s": max(r["first_chunk_s"] for r in out),
+            "epoch_schedule_s": max(r["epoch_schedule_s"] for r in out), "steps": out[0]["steps"],
+            "rows_rank0": out[0]["rows"], "node_pss_growth_mb": round(sum(r["pss_growth_mb"] for r in out), 1),
+            "max_peak_rss_mb": max(r["peak_rss_mb"] for r in out), "per_rank": out}
+
+
+def audio_epoch(url: str, planner: str, cache: str, max_batch_seconds: float) -> dict:
+    """Fresh interpreter: one epoch of the real loader on the 4k corpus with this planner (in-process decode)."""
+    from shardtrain.load.bench import BenchConfig, bench_loader
+    from shardtrain.load.config import StreamConfig
+    from shardtrain.load.plan import BucketConfig
+    from shardtrain.world import World
+
+    stream = StreamConfig(bucket=BucketConfig(max_batch_seconds=max_batch_seconds), planner=planner,
+                          index_cache_dir=cache)
+    r = bench_loader(url, world=World(), seed=0, stream=stream, bench=BenchConfig(epochs=1))
+    return {k: r[k] for k in ("first_batch_s", "audio_s_per_s", "padding_efficiency", "batches", "audio_seconds")}
+
+
+def main(args: argparse.Namespace) -> dict:
+    work = Path(args.work_dir)
+    cache = str(work / "index-map")
+    rows_out, audio_out = [], []
+    for n in args.rows:
+        url = write_dataset(work / f"synthetic-index-{n}", n)
+        cold = common.run_isolated("bench_block_loader", "map_cold", {"url": url, "cache": cache}, timeout_s=3600)
+        log.info("%d rows, cold map: %s", n, cold)
+        for planner, ranks in (("blocks", args.ranks_per_node), ("rows", args.rows_ranks)):
+            r = node_run(url, planner, args.world_size, ranks, cache, work)
+            node_mb = r["node_pss_growth_mb"] * (args.ranks_per_node / ranks)
+            rows_out.append({"rows": n, **cold, **{k: v for k, v in r.items() if k != "per_rank"},
+                             "node_mb": round(node_mb, 1), "node_mb_how": "measured" if ranks == args.ranks_per_node
+                             else f"{ranks} rank(s) x {args.ranks_per_node / ranks:g}"})
+            log.info("%d rows, %s: %s", n, planner, rows_out[-1])
+    if not args.no_audio:
+        corpus = common.prepare_corpus(work, 4000, kind="speech")
+        ds = common.prepare_dataset(work, corpus)
+        for planner in ("rows", "blocks", "rows", "blocks"):  # alternating, warm map
+            audio_out.append({"planner": planner, **common.run_isolated("bench_block_loader", "audio_epoch", {
+                "url": str(ds), "planner": planner, "cache": cache, "max_batch_seconds": args.max_batch_seconds})})
+            log.info("audio: %s", audio_out[-1])
+    md = common.markdown_table(rows_out, [
+        ("rows", "index rows"), ("planner", "planner"), ("world_size", "world size"), ("ranks", "ranks run"),
+        ("first_chunk_s", "start to first chunk s"), ("epoch_schedule_s", "plan+deal per epoch s"),
+        ("steps", "steps"), ("node_mb", "planning MB per node (8 ranks)"), ("node_mb_how", "node figure"),
+        ("max_peak_rss_mb", "peak RSS per rank MB"), ("map_s", "map build s (once per node)"),
+        ("map_disk_mb", "map on disk MB")])
+    if audio_out:
+        md += "\n\n" + common.markdown_table(audio_out, [
+            ("planner", "planner (4k espeak corpus, 1 epoch)"), ("first_batch_s", "first batch s"),
+            ("audio_s_per_s", "audio-s/s"), ("padding_efficiency", "padding"), ("batches", "batches")])
+    result = {"benchmark": "bench_block_loader", "git_sha": common.git_sha(), "machine": common.machine(),
+              "config": vars(args), "scale": rows_out, "audio": audio_out}
+    out_dir = Path(args.out_dir)
+    common.write_json(out_dir / "block_loader.json", result)
+    (out_dir / "block_loader.md").write_text(md + "\n")
+    print(md)
+    print(common.json_line({"git_sha": result["git_sha"], "scale": [{k: r[k] for k in (
+        "rows", "planner", "first_chunk_s", "epoch_schedule_s", "node_mb")} for r in rows_out]}))
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--world-size", type=int, default=1024)
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="concurrent rank processes for the blocks planner")
+    ap.add_argument("--rows-ranks", type=int, default=1, help="concurrent rank processes for the rows planner")
+    ap.add_argument("--max-batch-seconds", type=float, default=300.0)
+    ap.add_argument("--no-audio", action="store_true", help="skip the real-audio first-batch comparison")
+    ap.add_argument("--work-dir", default=str(common.DEFAULT_WORK_DIR))
+    ap.add_argument("--out-dir", default=str(common.BENCH_DIR / "results"))
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    common.setup_logging()
+    main(parse_args())
