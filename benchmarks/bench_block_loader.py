@@ -16,6 +16,7 @@ figure is that rank's growth x ranks per node, which the table says. Run:
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_block_loader.py                       # 1M and 10M rows
     PYTHONPATH=. .venv/bin/python benchmarks/bench_block_loader.py --rows 30000000 --no-audio
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_block_loader.py --variety 200000 1000000   # batch variety
 """
 from __future__ import annotations
 
@@ -166,7 +167,44 @@ def audio_epoch(url: str, planner: str, cache: str, max_batch_seconds: float) ->
     return {k: r[k] for k in ("first_batch_s", "audio_s_per_s", "padding_efficiency", "batches", "audio_seconds")}
 
 
+def block_epochs(n: int, world_size: int, epochs: int, max_batch_seconds: float, seed: int = 0) -> dict:
+    """Fresh interpreter: batch variety of the block planner on n synthetic rows (metadata only, all ranks dealt):
+    pair repeat rate across consecutive epochs, against a uniform shuffle inside the same buckets split into the
+    same number of batches, and against the rows planner (plan_epoch) on the same rows; padding and fill."""
+    from bench_shuffle import padding_stats, repeat_stats
+
+    from shardtrain.load.blockplan import block_seconds, make_blocks, plan_blocks, rank_batches
+    from shardtrain.load.plan import BucketConfig, PlanIndex, plan_epoch
+
+    cols = synthetic_columns(n, seed)
+    dur = cols["duration_s"]
+    cfg = BucketConfig(max_batch_seconds=max_batch_seconds)
+    block_s = block_seconds(float(dur.sum()))
+    blocks = make_blocks(dur, cols["size"], block_s, max_batch_seconds)
+    sched: dict[str, list[list[np.ndarray]]] = {"blocks": [], "uniform in the same buckets": [], "rows (plan_epoch)": []}
+    idx = PlanIndex(**cols)
+    for e in range(epochs):
+        plan = plan_blocks(blocks, seed=seed, epoch=e, world_size=world_size, cfg=cfg)
+        batches = [b for r in range(world_size) for b in rank_batches(plan, blocks, lambda x: dur[x], r, seed)]
+        sched["blocks"].append(batches)
+        row_bucket = np.repeat(plan.bucket, blocks.rows)  # the bucket of every row, through its block
+        per_bucket = np.bincount([row_bucket[b[0]] for b in batches if len(b)])
+        rng = np.random.default_rng([seed, e, 99])
+        sched["uniform in the same buckets"].append(
+            [p for k, m in enumerate(per_bucket) if m for p in np.array_split(rng.permutation(
+                np.flatnonzero(row_bucket == k)), m)])
+        rp = plan_epoch(idx, seed=seed, epoch=e, world_size=world_size, cfg=cfg)
+        sched["rows (plan_epoch)"].append([b for g in rp.groups for c in g for b in c.batches])
+    out = {"rows": n, "world_size": world_size, "block_s": round(block_s, 1), "blocks": len(blocks)}
+    for name, eps in sched.items():
+        out[name] = {**repeat_stats(eps, n), **padding_stats(eps[0], dur),
+                     "fill": round(float(sum(dur[b].sum() for b in eps[0])) / (len(eps[0]) * max_batch_seconds), 3)}
+    return out
+
+
 def main(args: argparse.Namespace) -> dict:
+    if args.variety:
+        return variety(args)
     work = Path(args.work_dir)
     cache = str(work / "index-map")
     rows_out, audio_out = [], []
@@ -209,6 +247,26 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
+def variety(args: argparse.Namespace) -> dict:
+    rows = [common.run_isolated("bench_block_loader", "block_epochs", {
+        "n": n, "world_size": args.variety_world_size, "epochs": 3, "max_batch_seconds": args.max_batch_seconds},
+        timeout_s=3600) for n in args.variety]
+    table = [{"rows": f"{r['rows']:,}", "block_s": r["block_s"], "sampler": name, **r[name],
+              "x_uniform": round(r[name]["pair_repeat_rate"] / max(r["uniform in the same buckets"]["pair_repeat_rate"],
+                                                                   1e-12), 2)}
+             for r in rows for name in ("blocks", "uniform in the same buckets", "rows (plan_epoch)")]
+    md = common.markdown_table(table, [
+        ("rows", "rows"), ("block_s", "block s"), ("sampler", "sampler"), ("pair_repeat_rate", "pair repeat rate"),
+        ("x_uniform", "x uniform in-bucket"), ("padding_efficiency", "padding"), ("fill", "batch fill"),
+        ("batches", "batches")])
+    result = {"benchmark": "bench_block_loader --variety", "git_sha": common.git_sha(), "config": vars(args),
+              "variety": rows}
+    common.write_json(Path(args.out_dir) / "block_variety.json", result)
+    print(md)
+    print(common.json_line({"git_sha": result["git_sha"], "variety": table}))
+    return result
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
@@ -217,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows-ranks", type=int, default=1, help="concurrent rank processes for the rows planner")
     ap.add_argument("--max-batch-seconds", type=float, default=300.0)
     ap.add_argument("--no-audio", action="store_true", help="skip the real-audio first-batch comparison")
+    ap.add_argument("--variety", type=int, nargs="*", default=None,
+                    help="batch variety of the block planner instead, for these row counts (metadata only)")
+    ap.add_argument("--variety-world-size", type=int, default=8)
     ap.add_argument("--work-dir", default=str(common.DEFAULT_WORK_DIR))
     ap.add_argument("--out-dir", default=str(common.BENCH_DIR / "results"))
     return ap.parse_args(argv)

@@ -47,6 +47,20 @@ class Blocks:
         return len(self.start)
 
 
+MAX_BLOCKS = 1_500_000
+"""Blocks a table holds at most: every rank plans all of them each epoch (~1.2 GB per 8-rank node at 1.3M
+blocks, bench_plan_scale.py --simulate)."""
+MIN_BLOCK_S = 30.0
+"""Smallest automatic block: a few utterances, so block-mates are fewer than the batches of a chunk and the
+stratified deal never puts two of them in one batch (variety close to a uniform in-bucket shuffle)."""
+
+
+def block_seconds(total_audio_s: float, given: float | None = None) -> float:
+    """The block size: `given`, else the smallest one whose table stays within MAX_BLOCKS (and >= MIN_BLOCK_S).
+    Smaller blocks mix more and fill batches better; 100M rows of ~9.5 s get ~630 s blocks, 4M rows 30 s."""
+    return given if given else max(MIN_BLOCK_S, total_audio_s / MAX_BLOCKS)
+
+
 WINDOW_ROWS = 1 << 22
 """Rows make_blocks holds at a time (~100 MB of temporaries): the index may be a 100M-row memory map."""
 
@@ -100,9 +114,12 @@ class BlockPlan:
     seq: np.ndarray
     """Block ids, bucket after bucket, each bucket in this epoch's random order."""
     bounds: np.ndarray
-    """Chunk c is seq[bounds[c]:bounds[c + 1]]; a group is world_size consecutive chunks of one bucket."""
+    """Chunk c is seq[bounds[c]:bounds[c + 1]]."""
+    chunk_ids: np.ndarray
+    """Chunks in group order: group j is chunk_ids[j * world_size:(j + 1) * world_size] (rank r takes the r-th),
+    chunks of one bucket with similar batch counts (sorted by need), ranks shuffled inside every group."""
     group_first: np.ndarray
-    """First chunk of each group, in step order (groups shuffled)."""
+    """Position in chunk_ids of each group's first chunk, in step order (groups shuffled)."""
     group_m: np.ndarray
     """Batches M_g of each group, in step order."""
     too_long_rows: int
@@ -118,7 +135,7 @@ class BlockPlan:
 
     def chunk(self, g: int, rank: int) -> np.ndarray:
         """Block ids of `rank`'s chunk in group g (step order), ascending."""
-        c = int(self.group_first[g]) + rank
+        c = int(self.chunk_ids[int(self.group_first[g]) + rank])
         return np.sort(self.seq[self.bounds[c]:self.bounds[c + 1]])
 
     @property
@@ -145,7 +162,7 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
     nb = max(1, min(cfg.num_buckets, int(fill), len(ok) // world_size))  # a bucket: >= a batch and a block per rank
     edges = estimate_bins(mean, nb) if len(ok) else np.zeros(0)
     bucket = np.searchsorted(edges, mean, side="right")
-    seqs, bounds_all, need_all, base = [], [np.zeros(1, np.int64)], [], 0
+    seqs, bounds_all, need_all, ids_all, base, nchunks = [], [np.zeros(1, np.int64)], [], [], 0, 0
     for b in np.unique(bucket):
         ids = ok[bucket == b]
         cost = float(blocks.cost[ids].sum())
@@ -164,14 +181,20 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
         need = np.minimum(np.ceil(c_cost / np.maximum(budget - c_max, 1e-9) - 1e-9), c_rows)
         if cfg.max_batch_size is not None:
             need = np.maximum(need, np.ceil(c_rows / cfg.max_batch_size))
-        need_all.append(np.maximum(1, need).astype(np.int64).reshape(-1, world_size).max(axis=1))
+        need = np.maximum(1, need).astype(np.int64)
+        # chunks of similar need share a group (M_g is the group's largest), ranks at random inside each group
+        grouped = rng.permuted(np.lexsort((c_cost, need)).reshape(-1, world_size), axis=1)
+        need_all.append(need[grouped].max(axis=1))
+        ids_all.append(nchunks + grouped.ravel())
         seqs.append(seq)
         bounds_all.append(base + bounds[1:])
-        base += len(seq)
+        base, nchunks = base + len(seq), nchunks + n
     group_m = np.concatenate(need_all) if need_all else np.zeros(0, np.int64)
     order = rng.permutation(len(group_m))
     return BlockPlan(epoch=epoch, world_size=world_size, seq=np.concatenate(seqs) if seqs else np.zeros(0, np.int64),
-                     bounds=np.concatenate(bounds_all), group_first=(order * world_size).astype(np.int64),
+                     bounds=np.concatenate(bounds_all),
+                     chunk_ids=np.concatenate(ids_all) if ids_all else np.zeros(0, np.int64),
+                     group_first=(order * world_size).astype(np.int64),
                      group_m=group_m[order], too_long_rows=int(blocks.rows[blocks.too_long].sum()), budget=budget,
                      cap=cfg.max_batch_size,
                      bucket=np.where(blocks.too_long, -1,
@@ -189,17 +212,23 @@ def chunk_rows(blocks: Blocks, ids: np.ndarray) -> np.ndarray:
 
 def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float, rng: np.random.Generator,
                cap: int | None = None) -> list[np.ndarray]:
-    """Rows (with their costs) in random order dealt round-robin into m batches; when one would exceed the budget,
-    each row goes to the least-loaded batch instead (list scheduling: every batch stays under mean + longest row,
+    """Rows (ascending, with their costs) dealt into m batches, each run of m neighbouring rows to m distinct
+    batches at random (a stratified deal); when a batch would exceed the budget, rows in random order each go to
+    the least-loaded batch instead (list scheduling: every batch stays under mean + longest row,
     which the group's M_g keeps within the budget; a Python loop, so only as a fallback). `cap` (max_batch_size)
     holds too: the group's M_g is at least rows / cap, round-robin sizes differ by at most one, and the fallback
     passes over full batches."""
+    if m == 1:
+        return [rows[rng.permutation(len(rows))]]
+    # stratified: every run of m neighbouring rows (ascending: read together, similar durations) goes to m distinct
+    # batches in random order, so neighbours never share a batch and batch costs come out nearly equal
+    k = -(-len(rows) // m)
+    ids = rng.permuted(np.tile(np.arange(m), (k, 1)), axis=1).ravel()[: len(rows)]
+    if np.bincount(ids, weights=cost, minlength=m).max() <= budget + 1e-9:
+        order = np.argsort(ids, kind="stable")
+        return np.split(rows[order], np.cumsum(np.bincount(ids, minlength=m))[:-1])
     p = rng.permutation(len(rows))
     rows, cost = rows[p], cost[p]
-    if m == 1:
-        return [rows]
-    if np.bincount(np.arange(len(rows)) % m, weights=cost, minlength=m).max() <= budget + 1e-9:
-        return [rows[i::m] for i in range(m)]
     heap = [(0.0, i) for i in range(m)]
     out: list[list[int]] = [[] for _ in range(m)]
     for r, c in zip(rows.tolist(), cost.tolist()):
