@@ -9,7 +9,7 @@
            PSS per process summed over the node (map pages shared by the ranks counted once), minus each
            process's PSS after imports (torch), and its peak RSS
     real audio (the 4k espeak corpus of bench_loader, cached in --work-dir): one epoch in-process per planner:
-      first batch s, audio-s/s, padding, batches (blocks deal ~75%-full batches: more steps)
+      first batch s, audio-s/s, padding, batches
 
 The rows planner is run with --rows-ranks processes (default 1: at 10M rows one rank holds ~2 GB); its node
 figure is that rank's growth x ranks per node, which the table says. Run:
