@@ -23,8 +23,14 @@ def _add_bench(sub) -> None:
                    help="batch dtype; int16 halves host memory traffic and converts on the device")
     p.add_argument("--max-batch-seconds", type=float, default=300.0, help="audio seconds per batch (default 300)")
     p.add_argument("--max-batch-size", type=int, default=None, help="utterances per batch cap")
-    p.add_argument("--batches-per-chunk", type=int, default=1,
-                   help="batches per planned read; more mixes utterances across batches (default 1)")
+    p.add_argument("--batches-per-chunk", type=int, default=None,
+                   help="most batches per planned read; more mixes utterances across batches (default: the "
+                        "trainer's, stream.bucket.batches_per_chunk)")
+    p.add_argument("--planner", choices=("auto", "rows", "blocks"), default="auto",
+                   help="epoch planner: rows (whole index in every rank), blocks (node-shared memory-mapped index, "
+                        "for 100M-row corpora), auto (blocks from 4M rows; default)")
+    p.add_argument("--index-cache-dir", default=None,
+                   help="node-local folder of the block planner's index map (default: <tempdir>/shardtrain-index)")
     p.add_argument("--prefetch-chunks", type=int, default=2, help="chunks read and decoded ahead (default 2)")
     p.add_argument("--world-size", type=int, default=1, help="simulated world size (default 1)")
     p.add_argument("--rank", type=int, default=0, help="simulated rank (default 0)")
@@ -48,12 +54,13 @@ def _cmd_bench(args) -> int:
     from shardtrain.load.config import StreamConfig
     from shardtrain.world import World
 
+    per_chunk = {} if args.batches_per_chunk is None else {"batches_per_chunk": args.batches_per_chunk}
     stream = StreamConfig(
         bucket=BucketConfig(max_batch_seconds=args.max_batch_seconds, max_batch_size=args.max_batch_size,
-                            batches_per_chunk=args.batches_per_chunk),
+                            **per_chunk),
         prefetch_chunks=args.prefetch_chunks,
         num_workers=args.workers, decode_threads=args.decode_threads, cache_dir=args.cache_dir,
-        pcm_dtype=args.pcm_dtype)
+        pcm_dtype=args.pcm_dtype, planner=args.planner, index_cache_dir=args.index_cache_dir)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
                         device=args.device, progress=not args.no_progress)
     try:
