@@ -427,7 +427,8 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     last.update(row, val_examples=res["examples"])
     for name, s in res["sets"].items():
         for ref, hyp in s["examples"]:
-            log.info("step %d  %s ref: %s\n%s hyp: %s", run.step, name, ref, " " * (15 + len(name)), hyp)
+            head = f"step {run.step}  {name} "
+            log.info("%sref: %s\n%shyp: %s", head, ref, " " * len(head), hyp)
             metrics.text(f"val/{name}/example", f"REF: {ref}  \nHYP: {hyp}", run.step)
         log.info("step %d: %s  val_loss %.4f  CER %.2f%%  WER %.2f%%  (%d utterances, %.0f s)", run.step, name,
                  s["loss"], 100 * s["cer"], 100 * s["wer"], s["utts"], s["audio_s"])

@@ -22,9 +22,12 @@ _NAMED = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]*)=(.+)", re.S)
 
 
 class _ValConfig(Protocol):  # the three TrainConfig fields this module reads (no import of config: it imports us)
-    val_data_url: str
-    val_extra_urls: tuple[str, ...]
-    val_names: tuple[str, ...]
+    @property
+    def val_data_url(self) -> str: ...
+    @property
+    def val_extra_urls(self) -> tuple[str, ...]: ...
+    @property
+    def val_names(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
