@@ -71,9 +71,9 @@ class TrainConfig:
     val_every_steps: int = 200
     """Validate every N steps and at the end; 0 = only at the end."""
     val_max_batches: int | None = None
-    """Cap validation batches per rank; None = the whole validation set."""
+    """Cap validation batches per rank and validation set; None = every set whole."""
     val_examples: int = 3
-    """Example transcripts (reference / hypothesis) logged at each validation."""
+    """Example transcripts (reference / hypothesis) logged per validation set at each validation."""
     ckpt_every_steps: int = 200
     """Checkpoint every N steps and at the end; 0 = only at the end."""
     keep_last: int = 3
