@@ -18,7 +18,13 @@ def _add_train(sub) -> None:
     p.add_argument("--weight", type=float, action="append", default=[],
                    help="weight of each --data, in order (once per --data; default equal): per epoch a dataset gives "
                         "weight / sum of weights of the audio, every sample once before any repeats")
-    p.add_argument("--val-data", default="", help="validation dataset URL (omit to skip validation)")
+    p.add_argument("--val-data", action="append", default=[], metavar="[NAME=]URL",
+                   help="validation dataset URL; repeat it for several sets, each evaluated and reported on its own "
+                        "(val/NAME/cer, val/NAME/wer, val/NAME/loss) besides the pooled val_loss/cer/wer (total "
+                        "errors / total reference characters or words over all sets) that picks the best "
+                        "checkpoint. NAME defaults to the URL's last path component; clashing names take in parent "
+                        "components (x-shards, y-shards), then -2, -3. Write ./a=b for a local path with '='. "
+                        "Omit to keep the preset's (none: no validation)")
     p.add_argument("--pipeline", default="tiny_cpu", help="preset: a name in pipelines/ (tiny_cpu, librispeech_base), module:function, or path/file.py:function")
     p.add_argument("--max-steps", type=int, default=None, help="optimiser steps (overrides the preset)")
     p.add_argument("--out", required=True, help="run directory: config.json, metrics.jsonl, checkpoints/")
@@ -46,7 +52,7 @@ def _cmd_train(args) -> int:
     _bound_malloc_heap()
     try:
         cfg = apply_overrides(load_pipeline(args.pipeline), args.overrides)
-        paths = {"data_url": args.data[0], "val_data_url": args.val_data, "out_dir": args.out}
+        paths = {"data_url": args.data[0], "out_dir": args.out, **_val_fields(args.val_data)}
         if len(args.data) > 1 or args.weight:
             paths.update(mix_urls=tuple(args.data[1:]), mix_weights=tuple(args.weight))
         if args.max_steps is not None:
@@ -68,6 +74,17 @@ def _cmd_train(args) -> int:
     if world.is_main:
         print(json.dumps(result, sort_keys=True))
     return 0
+
+
+def _val_fields(values: list[str]) -> dict:
+    """Repeated `--val-data [NAME=]URL` -> the TrainConfig fields; none given leaves the preset's (and --set's)."""
+    from shardtrain.train.valsets import split_named
+
+    if not values:
+        return {}
+    names, urls = zip(*(split_named(v) for v in values))
+    return {"val_data_url": urls[0], "val_extra_urls": tuple(urls[1:]),
+            "val_names": tuple(names) if any(names) else ()}
 
 
 # ---- augment-demo (owner: augment) --------------------------------------------------------------

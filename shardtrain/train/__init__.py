@@ -3,7 +3,8 @@
     config.py      TrainConfig and RunConfig (composes stream, augment, feature and model configs)
     loop.py        train(): process group, model, optimiser, the step loop, validation and checkpoints
     step.py        what one batch needs on the device: to_device, augmenters, autocast, collectives
-    evaluate.py    validation: loss, greedy CTC decoding, CER/WER
+    evaluate.py    validation: loss, greedy CTC decoding, CER/WER per validation set and pooled
+    valsets.py     the validation sets: names (given or derived from URLs, unique), start-up open check
     augment.py     device augmentation: speed, reverb, noise, gain
     features.py    log-mel, normalisation, SpecAugment
     model.py       the CTC baseline (Conformer / Transformer encoders) and the model protocol

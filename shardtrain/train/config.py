@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from shardtrain.train.augment import AugmentConfig
 from shardtrain.train.features import FeatureConfig
 from shardtrain.train.model import ModelConfig
+from shardtrain.train.valsets import val_sets
 from shardtrain.load.config import StreamConfig
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,12 @@ class TrainConfig:
     """Weights of data_url and mix_urls in order (`--weight`, once per `--data`); empty = equal weights. Per epoch
     dataset i contributes weight_i / sum(weights) of the audio; every sample once before any repeats."""
     val_data_url: str = ""
-    """Validation dataset URL; empty disables validation; `--val-data`."""
+    """Validation dataset URL (the first `--val-data`); empty disables validation."""
+    val_extra_urls: tuple[str, ...] = ()
+    """More validation datasets (repeated `--val-data`); each is evaluated and reported on its own (valsets.py)."""
+    val_names: tuple[str, ...] = ()
+    """Names of val_data_url and val_extra_urls in order (`--val-data NAME=URL`); empty, or "" for one, derives
+    it from the URL's last path component (made unique). Metric keys are val/<name>/{loss,cer,wer,...}."""
     out_dir: str = ""
     """Run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/; `--out`."""
     max_steps: int = 1000
@@ -65,9 +71,9 @@ class TrainConfig:
     val_every_steps: int = 200
     """Validate every N steps and at the end; 0 = only at the end."""
     val_max_batches: int | None = None
-    """Cap validation batches per rank; None = the whole validation set."""
+    """Cap validation batches per rank and validation set; None = every set whole."""
     val_examples: int = 3
-    """Example transcripts (reference / hypothesis) logged at each validation."""
+    """Example transcripts (reference / hypothesis) logged per validation set at each validation."""
     ckpt_every_steps: int = 200
     """Checkpoint every N steps and at the end; 0 = only at the end."""
     keep_last: int = 3
@@ -114,6 +120,7 @@ class TrainConfig:
             raise ValueError("train.cpu_threads must be >= 0 (0 = torch default)")
         if self.log_every_steps < 1 or self.keep_last < 0:
             raise ValueError("train.log_every_steps must be >= 1 and train.keep_last >= 0")
+        val_sets(self)  # names unique and well-formed, no URL twice: refused here, not at the first validation
 
 
 def data_sources(tc: TrainConfig) -> str | list[tuple[str, float]]:

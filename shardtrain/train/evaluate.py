@@ -2,7 +2,14 @@
 
     Batch (CPU, pinned) -> to_device (targets via the tokenizer; B=0 -> a silent dummy) -> Augmenters (one
     DeviceAugment per input rate) -> model under `autocast` -> evaluate: loss, greedy CTC decode, CER/WER sums
-    -> Collectives.sum (one all-reduce) -> per-token loss and error rates over every rank's share of the set.
+    per validation set -> Collectives.sum (ONE all-reduce for all sets) -> per-set and overall rates over every
+    rank's share of each set.
+
+Several validation sets (valsets.py) are evaluated one after the other, each over its whole set (every rank its
+stripe). Each reports its own loss / CER / WER; the overall `val_loss`, `cer`, `wer` (best-checkpoint selection
+reads val_loss) are pooled over every set: total loss / total target tokens, total character edits / total
+reference characters, total word edits / total reference words. So a set weighs by its size (in tokens, characters,
+words), exactly as if the sets were one set; with one set they are that set's figures.
 """
 from __future__ import annotations
 
@@ -14,27 +21,34 @@ import torch
 
 from shardtrain.load.loader import build_loader
 from shardtrain.train.text import error_counts
+from shardtrain.train.valsets import ValSet, val_sets
 from shardtrain.world import World
 from shardtrain.train.config import RunConfig
 from shardtrain.train.model import SpeechModel
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
 
+SUMS = ("loss", "tokens", "char_errors", "chars", "word_errors", "words", "utts", "audio_s", "skipped")
+"""What each rank adds up per validation set; summed over ranks in one all-reduce."""
+SET_KEYS = ("loss", "cer", "wer", "utts", "audio_s", "chars", "words", "tokens", "skipped")
+"""Per-set metrics, logged as val/<name>/<key> (metrics.jsonl and TensorBoard)."""
 
-def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmenters: Augmenters,
-             device: torch.device, comm: Collectives, storage_options: dict | None) -> dict:
-    """Validation loss per token, CER and WER over the whole validation set (sums all-reduced across ranks).
 
-    Uses the unwrapped model (no DDP collectives) and features without augmentation. Returns the metrics plus
-    a few (reference, hypothesis) examples from this rank.
-    """
+def _rates(s: dict) -> dict:
+    return {"loss": s["loss"] / max(s["tokens"], 1.0), "cer": s["char_errors"] / max(s["chars"], 1.0),
+            "wer": s["word_errors"] / max(s["words"], 1.0)}
+
+
+def _evaluate_set(model: torch.nn.Module, cfg: RunConfig, vs: ValSet, world: World, tok, augmenters: Augmenters,
+                  device: torch.device, storage_options: dict | None) -> tuple[dict, list[tuple[str, str]]]:
+    """This rank's sums (SUMS) and (reference, hypothesis) pairs over its stripe of one validation set."""
     tc = cfg.train
-    loader = build_loader(tc.val_data_url, world=world, seed=tc.seed, cfg=dataclasses.replace(cfg.stream, epochs=1),
+    loader = build_loader(vs.url, world=world, seed=tc.seed, cfg=dataclasses.replace(cfg.stream, epochs=1),
                           storage_options=storage_options)
-    model.eval()
-    sums = {"loss": 0.0, "tokens": 0.0, "char_errors": 0.0, "chars": 0.0, "word_errors": 0.0, "words": 0.0}
+    sums = dict.fromkeys(SUMS, 0.0)
     examples: list[tuple[str, str]] = []
-    with torch.no_grad():
-        for i, (batch, _) in enumerate(loader):
+    batches = iter(loader)
+    try:
+        for i, (batch, _) in enumerate(batches):
             if tc.val_max_batches is not None and i >= tc.val_max_batches:
                 break
             if len(batch) == 0:
@@ -48,10 +62,50 @@ def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmente
                 sums[k] += v
             sums["loss"] += float(loss_sum)
             sums["tokens"] += float(target_lengths.sum())
+            sums["utts"] += len(batch)
+            sums["audio_s"] += float(batch.durations_s.sum())
             examples.extend(zip(batch.texts, hyps))
-    model.train()
-    keys = list(sums)
-    total = dict(zip(keys, comm.sum([sums[k] for k in keys])))
-    return {"val_loss": total["loss"] / max(total["tokens"], 1.0), "cer": total["char_errors"] / max(total["chars"], 1.0),
-            "wer": total["word_errors"] / max(total["words"], 1.0), "val_chars": int(total["chars"]),
-            "examples": examples[: tc.val_examples]}
+    finally:
+        getattr(batches, "close", lambda: None)()  # stops the loader's prefetch after an early break
+    sums["skipped"] = float(loader.stats().get("skipped", 0))
+    return sums, examples
+
+
+def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmenters: Augmenters,
+             device: torch.device, comm: Collectives, storage_options: dict | None) -> dict:
+    """Validation loss per token, CER and WER of every validation set and pooled over all of them (see the module
+    docstring); sums all-reduced across ranks in one collective.
+
+    Uses the unwrapped model (no DDP collectives) and features without augmentation. Returns {val_loss, cer, wer,
+    val_chars, examples, sets: {name: {SET_KEYS..., examples}}}; examples are this rank's first `val_examples`
+    (reference, hypothesis) pairs of each set.
+    """
+    sets = val_sets(cfg.train)
+    local: list[float] = []
+    examples: dict[str, list[tuple[str, str]]] = {}
+    model.eval()
+    try:
+        with torch.no_grad():
+            for vs in sets:
+                sums, ex = _evaluate_set(model, cfg, vs, world, tok, augmenters, device, storage_options)
+                local += [sums[k] for k in SUMS]
+                examples[vs.name] = ex[: cfg.train.val_examples]
+    finally:
+        model.train()
+    total = comm.sum(local) if local else []
+    per = {vs.name: dict(zip(SUMS, total[i * len(SUMS):(i + 1) * len(SUMS)])) for i, vs in enumerate(sets)}
+    pooled = {k: sum(p[k] for p in per.values()) for k in SUMS}
+    rates = _rates(pooled)
+    out_sets = {name: {**{k: p[k] for k in SET_KEYS if k in p}, **_rates(p), "examples": examples[name]}
+                for name, p in per.items()}
+    return {"val_loss": rates["loss"], "cer": rates["cer"], "wer": rates["wer"], "val_chars": int(pooled["chars"]),
+            "examples": [e for ex in examples.values() for e in ex], "sets": out_sets}
+
+
+def metrics_row(res: dict, step: int) -> dict:
+    """The metrics.jsonl line of one validation: pooled val_loss/cer/wer plus val/<name>/<key> per set."""
+    row = {"step": step, "val_loss": res["val_loss"], "cer": res["cer"], "wer": res["wer"]}
+    for name, s in res["sets"].items():
+        row.update({f"val/{name}/{k}": (int(s[k]) if k in ("utts", "chars", "words", "tokens", "skipped")
+                                        else s[k]) for k in SET_KEYS})
+    return row

@@ -50,7 +50,7 @@ from shardtrain.train import checkpoint as ckpt
 from shardtrain.train import elastic
 from shardtrain.train.keylog import KeyLog
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
-from shardtrain.train.evaluate import evaluate
+from shardtrain.train.evaluate import evaluate, metrics_row
 from shardtrain.train.metrics import MetricsLogger
 from shardtrain.train.model import build_model, num_parameters
 from shardtrain.train.overrides import to_dict
@@ -58,6 +58,7 @@ from shardtrain.train.qat import enable_qat
 from shardtrain.load.loader import build_loader
 from shardtrain.load.reader import StreamError
 from shardtrain.train.text import CharVocab, SentencePieceVocab, Tokenizer, tokenizer_from_json
+from shardtrain.train.valsets import check_val_sets, val_sets
 from shardtrain.world import World
 from shardtrain.train.config import RunConfig, TrainConfig, data_sources
 
@@ -133,6 +134,7 @@ def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options
     tc = cfg.train
     if not tc.data_url or not tc.out_dir:
         raise ValueError("train.data_url (--data) and train.out_dir (--out) are required")
+    check_val_sets(val_sets(tc), storage_options)  # a bad --val-data stops here, not at the first validation
     device = _resolve_device(tc, world)
     threads_before = torch.get_num_threads()
     if device.type == "cpu" and tc.cpu_threads > 0:
@@ -410,22 +412,29 @@ class _Interval:
 def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
                     augmenters: Augmenters, metrics: MetricsLogger, last: dict,
                     storage_options: dict | None) -> float | None:
-    """Validate every `val_every_steps` and at the end; returns val_loss when it ran."""
+    """Validate every `val_every_steps` and at the end; returns the pooled val_loss when it ran (evaluate.py)."""
     tc = cfg.train
     end = run.step == tc.max_steps
     if not tc.val_data_url or not (end or (tc.val_every_steps and run.step % tc.val_every_steps == 0)):
         return None
-    log.info("step %d: validating on %s", run.step, tc.val_data_url)
+    sets = val_sets(tc)
+    log.info("step %d: validating on %s", run.step, ", ".join(f"{s.name} ({s.url})" for s in sets))
     with torch.random.fork_rng(devices=[]):  # validation must not shift the training RNG streams
         res = evaluate(run.raw_model, cfg, world, run.tok, augmenters, device, comm, storage_options)
     val_loss = res["val_loss"]
-    row = {"step": run.step, **{k: res[k] for k in ("val_loss", "cer", "wer")}}
+    row = metrics_row(res, run.step)
     metrics.log(row)
     last.update(row, val_examples=res["examples"])
-    for ref, hyp in res["examples"]:
-        log.info("step %d  ref: %s\n%s hyp: %s", run.step, ref, " " * 14, hyp)
-        metrics.text("val/example", f"REF: {ref}  \nHYP: {hyp}", run.step)
-    log.info("step %d: val_loss %.4f  CER %.2f%%  WER %.2f%%", run.step, val_loss, 100 * res["cer"], 100 * res["wer"])
+    for name, s in res["sets"].items():
+        for ref, hyp in s["examples"]:
+            head = f"step {run.step}  {name} "
+            log.info("%sref: %s\n%shyp: %s", head, ref, " " * len(head), hyp)
+            metrics.text(f"val/{name}/example", f"REF: {ref}  \nHYP: {hyp}", run.step)
+        log.info("step %d: %s  val_loss %.4f  CER %.2f%%  WER %.2f%%  (%d utterances, %.0f s)", run.step, name,
+                 s["loss"], 100 * s["cer"], 100 * s["wer"], s["utts"], s["audio_s"])
+    if len(sets) > 1:
+        log.info("step %d: all %d sets (pooled)  val_loss %.4f  CER %.2f%%  WER %.2f%%", run.step, len(sets),
+                 val_loss, 100 * res["cer"], 100 * res["wer"])
     run.best_val = min(run.best_val, val_loss)
     return val_loss
 

@@ -1,7 +1,8 @@
 """Where training numbers go: `DIR/metrics.jsonl` (one JSON object a line) and TensorBoard, rank 0 only.
 
 A line always has `step`; training lines add loss, lr, audio_s_per_s, data_wait_pct, skipped (and
-gpu_mem_gib on GPU); validation lines add val_loss, cer, wer. JSON lines are the contract other tools read;
+gpu_mem_gib on GPU); validation lines add val_loss, cer, wer (pooled over the validation sets) and
+val/<name>/{loss,cer,wer,utts,audio_s,chars,words,tokens,skipped} per set (evaluate.py). JSON lines are the contract other tools read;
 TensorBoard is a convenience (skipped when `tensorboard` is False; importing it costs ~1 s).
 """
 from __future__ import annotations
