@@ -175,14 +175,14 @@ def block_epochs(n: int, world_size: int, epochs: int, max_batch_seconds: float,
     same number of batches, and against the rows planner (plan_epoch) on the same rows; padding and fill."""
     from bench_shuffle import padding_stats, repeat_stats
 
-    from shardtrain.load.blockplan import block_seconds, make_blocks, plan_blocks, rank_batches
+    from shardtrain.load.blockplan import block_shape, make_blocks, plan_blocks, rank_batches
     from shardtrain.load.plan import BucketConfig, PlanIndex, plan_epoch
 
     cols = synthetic_columns(n, seed)
     dur = cols["duration_s"]
     cfg = BucketConfig(max_batch_seconds=max_batch_seconds)
-    block_s = block_seconds(float(dur.sum()))
-    blocks = make_blocks(dur, cols["size"], block_s, max_batch_seconds)
+    block_s, block_rows = block_shape(float(dur.sum()), n, cfg.batches_per_chunk)
+    blocks = make_blocks(dur, cols["size"], block_s, max_batch_seconds, block_rows=block_rows)
     sched: dict[str, list[list[np.ndarray]]] = {"blocks": [], "uniform in the same buckets": [],
                                                 "rows (plan_epoch)": []}
     idx = PlanIndex(**cols)
@@ -198,7 +198,8 @@ def block_epochs(n: int, world_size: int, epochs: int, max_batch_seconds: float,
                 np.flatnonzero(row_bucket == k)), m)])
         rp = plan_epoch(idx, seed=seed, epoch=e, world_size=world_size, cfg=cfg)
         sched["rows (plan_epoch)"].append([b for g in rp.groups for c in g for b in c.batches])
-    out = {"rows": n, "world_size": world_size, "block_s": round(block_s, 1), "blocks": len(blocks)}
+    out = {"rows": n, "world_size": world_size, "block_s": round(block_s, 1), "block_rows": block_rows,
+           "blocks": len(blocks)}
     for name, eps in sched.items():
         out[name] = {**repeat_stats(eps, n), **padding_stats(eps[0], dur),
                      "fill": round(float(sum(dur[b].sum() for b in eps[0])) / (len(eps[0]) * max_batch_seconds), 3)}

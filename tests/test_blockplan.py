@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from shardtrain.load.blockplan import block_seconds, chunk_rows, deal_chunk, make_blocks, plan_blocks, rank_batches
+from shardtrain.load.blockplan import block_shape, chunk_rows, deal_chunk, make_blocks, plan_blocks, rank_batches
 from shardtrain.load.plan import BucketConfig
 
 from test_plan import fake_index
@@ -53,17 +53,19 @@ def _pairs(batches) -> set:
 
 
 def test_block_planner_variety_near_a_uniform_shuffle_in_its_buckets():
-    """Pair repeat rate across epochs within 1.2x of a uniform shuffle inside the same buckets, split into the same
-    number of batches (a random round-robin deal of the same plan gives 1.31x here; the stratified deal 1.12x)."""
+    """Pair repeat rate across epochs within 1.15x of a uniform shuffle inside the same buckets, split into the same
+    number of batches (measured 1.04x; a random round-robin deal of the same blocks gives 1.24x, and 600 s blocks
+    without the row cap far more)."""
     rng0 = np.random.default_rng(0)
-    dur = np.sort(np.clip(rng0.lognormal(np.log(8.0), 0.6, 20_000), 0.5, 35.0))
+    dur = np.sort(np.clip(rng0.lognormal(np.log(8.0), 0.6, 50_000), 0.5, 35.0))
     size = (dur * 17600).astype(np.int64) + 1536
     cfg = BucketConfig(max_batch_seconds=300.0)
-    blocks = make_blocks(dur, size, block_seconds(float(dur.sum())), cfg.max_batch_seconds)
+    block_s, block_rows = block_shape(float(dur.sum()), len(dur), cfg.batches_per_chunk)
+    blocks = make_blocks(dur, size, block_s, cfg.max_batch_seconds, block_rows=block_rows)
     ours, uniform = [], []
     for e in range(3):
-        plan = plan_blocks(blocks, seed=0, epoch=e, world_size=4, cfg=cfg)
-        batches = [b for r in range(4) for b in rank_batches(plan, blocks, lambda x: dur[x], r, 0)]
+        plan = plan_blocks(blocks, seed=0, epoch=e, world_size=8, cfg=cfg)
+        batches = [b for r in range(8) for b in rank_batches(plan, blocks, lambda x: dur[x], r, 0)]
         assert max(float(dur[b].sum()) for b in batches) <= 300.0 + 1e-9
         row_bucket = np.repeat(plan.bucket, blocks.rows)
         per_bucket = np.bincount([row_bucket[b[0]] for b in batches if len(b)])
@@ -72,7 +74,8 @@ def test_block_planner_variety_near_a_uniform_shuffle_in_its_buckets():
                         for p in np.array_split(rng.permutation(np.flatnonzero(row_bucket == k)), m)])
         ours.append(batches)
     rate = lambda eps: np.mean([len(_pairs(a) & _pairs(b)) / len(_pairs(a)) for a, b in zip(eps, eps[1:])])  # noqa
-    assert rate(ours) <= 1.2 * rate(uniform), (rate(ours), rate(uniform))
+    assert rate(ours) <= 1.15 * rate(uniform), (rate(ours), rate(uniform))
+    assert blocks.rows[~blocks.too_long].max() <= block_rows
 
 
 def test_stratified_deal_keeps_neighbours_apart_and_sizes_even():

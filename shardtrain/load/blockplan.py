@@ -47,18 +47,21 @@ class Blocks:
         return len(self.start)
 
 
-MAX_BLOCKS = 1_500_000
-"""Blocks a table holds at most: every rank plans all of them each epoch (~1.2 GB per 8-rank node at 1.3M
-blocks, bench_plan_scale.py --simulate)."""
+MAX_BLOCKS = 1_200_000
+"""Audio cuts (and as many row cuts) a table holds at most: every rank plans all blocks each epoch, ~650 B a
+block per 8-rank node (measured at 1.5M blocks, bench_block_loader.py), so at most ~1.6 GB a node."""
 MIN_BLOCK_S = 30.0
-"""Smallest automatic block: a few utterances, so block-mates are fewer than the batches of a chunk and the
-stratified deal never puts two of them in one batch (variety close to a uniform in-bucket shuffle)."""
+"""Smallest automatic block by audio."""
 
 
-def block_seconds(total_audio_s: float, given: float | None = None) -> float:
-    """The block size: `given`, else the smallest one whose table stays within MAX_BLOCKS (and >= MIN_BLOCK_S).
-    Smaller blocks mix more and fill batches better; 100M rows of ~9.5 s get ~630 s blocks, 4M rows 30 s."""
-    return given if given else max(MIN_BLOCK_S, total_audio_s / MAX_BLOCKS)
+def block_shape(total_audio_s: float, rows: int, batches_per_chunk: int,
+                given_s: float | None = None) -> tuple[float, int]:
+    """(seconds, rows) a block holds at most: it ends at whichever limit comes first. The smallest the table
+    allows: MIN_BLOCK_S and `batches_per_chunk` rows while the corpus is small (block-mates are then fewer than
+    a chunk's batches and the stratified deal never puts two in one batch: variety of a uniform in-bucket
+    shuffle), up to ~790 s and ~84 rows at 100M rows of ~9.5 s. `given_s` overrides the seconds."""
+    return (given_s if given_s else max(MIN_BLOCK_S, total_audio_s / MAX_BLOCKS),
+            max(batches_per_chunk, math.ceil(rows / MAX_BLOCKS)))
 
 
 WINDOW_ROWS = 1 << 22
@@ -66,10 +69,11 @@ WINDOW_ROWS = 1 << 22
 
 
 def make_blocks(duration_s, size, block_s: float, budget: float,
-                cost_fn: Callable[[np.ndarray], np.ndarray] | None = None) -> Blocks:
-    """Blocks of about `block_s` seconds of duration-sorted rows (`duration_s` ascending; array or memory map):
-    equal audio, so a chunk of a few blocks is balanced whatever the durations; over-budget rows (cost_fn(d) >
-    budget) get blocks of their own, 64 rows each. Streams the columns WINDOW_ROWS at a time: memory is O(blocks)."""
+                cost_fn: Callable[[np.ndarray], np.ndarray] | None = None, block_rows: int | None = None) -> Blocks:
+    """Blocks of about `block_s` seconds of duration-sorted rows (`duration_s` ascending; array or memory map),
+    also cut every `block_rows` rows when given: equal audio, so a chunk of a few blocks is balanced whatever the
+    durations; over-budget rows (cost_fn(d) > budget) get blocks of their own, 64 rows each. Streams the columns
+    WINDOW_ROWS at a time: memory is O(blocks)."""
     cost_fn = cost_fn or (lambda d: d)
     n = len(duration_s)
     cut, base, found = 0, 0.0, [np.zeros(1, np.int64)]
@@ -84,7 +88,8 @@ def make_blocks(duration_s, size, block_s: float, budget: float,
         base, cut = float(cs[-1]), a + len(c)
         if len(c) < min(WINDOW_ROWS, n - a):
             break
-    starts = np.unique(np.concatenate([*found, np.arange(cut, n, 64)])).astype(np.int64)
+    by_rows = np.arange(0, cut, block_rows) if block_rows else np.zeros(0, np.int64)
+    starts = np.unique(np.concatenate([*found, by_rows, np.arange(cut, n, 64)])).astype(np.int64)
     starts = starts[starts < n]
     ends = np.append(starts[1:], n)
     cost, max_cost, nbytes = np.zeros(len(starts)), np.zeros(len(starts), np.float32), np.zeros(len(starts), np.int64)

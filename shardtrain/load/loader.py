@@ -38,7 +38,7 @@ import torch
 
 from shardtrain import storage
 from shardtrain.format.manifest import Dataset, open_dataset
-from shardtrain.load.blockplan import Blocks, block_epoch, block_seconds, chunks_from, plan_blocks
+from shardtrain.load.blockplan import Blocks, block_epoch, block_shape, chunks_from, plan_blocks
 from shardtrain.load.mapped import default_root, mapped_blocks, open_mapped
 from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s, plan_epoch
 from shardtrain.load.reader import CHECK_COLUMNS, ChunkBatches, ChunkReader, StreamError
@@ -187,10 +187,11 @@ class Loader:
         if cfg.planner == "blocks" or (cfg.planner == "auto" and rows >= cfg.block_plan_min_rows):
             mi = open_mapped(self.ds, cfg.index_cache_dir or default_root(), text=cfg.check_transcripts)
             self.idx, self.fingerprint, rates = mi.idx, mi.meta["fingerprint"], np.asarray(mi.meta["sample_rates"])
-            block_s = block_seconds(float(self.ds.totals.get("seconds", 0.0)), cfg.block_s)
-            self.blocks = mapped_blocks(mi, cfg.bucket, block_s)
-            log.info("%s: %d rows, planned by %d blocks of ~%.0f s (index memory-mapped in %s)", url, rows,
-                     len(self.blocks), block_s, mi.folder)
+            block_s, block_rows = block_shape(float(self.ds.totals.get("seconds", 0.0)), rows,
+                                              cfg.bucket.batches_per_chunk, cfg.block_s)
+            self.blocks = mapped_blocks(mi, cfg.bucket, block_s, block_rows)
+            log.info("%s: %d rows, planned by %d blocks of <= %.0f s and %d rows (index memory-mapped in %s)", url,
+                     rows, len(self.blocks), block_s, block_rows, mi.folder)
         else:
             checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
             table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])

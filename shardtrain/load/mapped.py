@@ -225,15 +225,15 @@ class _WholeIndexCheck:
             raise DatasetError(f"{self.ds.index_url}: {self.counts[i]} rows for shard {i}, the manifest says {want[i]}")
 
 
-def mapped_blocks(mi: MappedIndex, cfg: BucketConfig, block_s: float) -> Blocks:
+def mapped_blocks(mi: MappedIndex, cfg: BucketConfig, block_s: float, block_rows: int) -> Blocks:
     """The block table for this budget: from ROOT/<id>/blocks-<params>.npz, made (streaming) when missing."""
-    params = json.dumps([block_s, cfg.max_batch_seconds, cfg.quadratic_duration_s])
+    params = json.dumps([block_s, block_rows, cfg.max_batch_seconds, cfg.quadratic_duration_s])
     path = mi.folder / f"blocks-{hashlib.sha1(params.encode()).hexdigest()[:12]}.npz"
     with open(mi.folder.parent / f"{mi.folder.name}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
             b = make_blocks(mi.idx.duration_s, mi.idx.size, block_s, cfg.max_batch_seconds,
-                            lambda d: cost_s(d, cfg))
+                            lambda d: cost_s(d, cfg), block_rows)
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, **{f: getattr(b, f) for f in Blocks.__slots__})  # type: ignore[attr-defined]
             os.replace(tmp, path)
