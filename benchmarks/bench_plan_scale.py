@@ -126,7 +126,7 @@ def index_read_one(n: int) -> dict:
     return res
 
 
-def simulate_one(n: int, world_sizes: list[int], max_batch_seconds: float, block_s: float,
+def simulate_one(n: int, world_sizes: list[int], max_batch_seconds: float, block_s: float | None,
                  sim_ranks: int, seed: int = 0) -> dict:
     """Run in a fresh interpreter: the block-level planner (load/blockplan.py) at n rows for each world size.
 
@@ -136,16 +136,18 @@ def simulate_one(n: int, world_sizes: list[int], max_batch_seconds: float, block
     Memory per rank = the block table + plan (tracemalloc peak of plan_blocks) + its rows x 70 B (the
     PlanIndex columns it would load) + the deal's peak; per node = 8 ranks. Times are taken without tracemalloc.
     """
-    from shardtrain.load.blockplan import make_blocks, plan_blocks, rank_batches
+    from shardtrain.load.blockplan import block_shape, make_blocks, plan_blocks, rank_batches
     from shardtrain.load.plan import BucketConfig
 
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     dur = np.sort(np.clip(rng.lognormal(np.log(8.0), 0.6, n), 0.5, 35.0))  # as synthetic_columns
     size = (dur * 16000 * 2 * 0.55).astype(np.int64) + 1536
-    blocks = make_blocks(dur, size, block_s, max_batch_seconds)
+    block_s, block_rows = block_shape(float(dur.sum()), n, BucketConfig().batches_per_chunk, block_s)
+    blocks = make_blocks(dur, size, block_s, max_batch_seconds, block_rows=block_rows)
     del size
-    out: dict = {"rows": n, "blocks": len(blocks), "gen_and_block_s": round(time.perf_counter() - t0, 2),
+    out: dict = {"rows": n, "blocks": len(blocks), "block_s": round(block_s, 1), "block_rows": block_rows,
+                 "gen_and_block_s": round(time.perf_counter() - t0, 2),
                  "block_table_mb": round(sum(getattr(blocks, f).nbytes for f in blocks.__slots__) / 2**20, 1)}
     cfg = BucketConfig(max_batch_seconds=max_batch_seconds)
     for ws in world_sizes:
@@ -189,7 +191,7 @@ def simulate_one(n: int, world_sizes: list[int], max_batch_seconds: float, block
 def simulate(args: argparse.Namespace) -> dict:
     rows = []
     for n in args.rows:
-        wss = [w for w in args.world_sizes if n * 8.0 / args.block_s >= 2 * w and (w > 1 or n <= 2_000_000)]
+        wss = [w for w in args.world_sizes if n * 8.0 / (args.block_s or 30.0) >= 2 * w and (w > 1 or n <= 2_000_000)]
         rows.append(common.run_isolated("bench_plan_scale", "simulate_one", {
             "n": n, "world_sizes": wss, "max_batch_seconds": args.max_batch_seconds,
             "block_s": args.block_s, "sim_ranks": args.sim_ranks}, timeout_s=3600))
@@ -291,7 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--simulate", action="store_true",
                     help="the block-level planner (load/blockplan.py) for --rows x --world-sizes; defaults 1k..100M "
                          "rows and 1..1,024 ranks")
-    ap.add_argument("--block-s", type=float, default=600.0, help="audio seconds per block for --simulate")
+    ap.add_argument("--block-s", type=float, default=None,
+                    help="audio seconds per block for --simulate (default: the Loader's, blockplan.block_shape)")
     ap.add_argument("--sim-ranks", type=int, default=3, help="ranks per world size whose rows are dealt for real")
     args = ap.parse_args(argv)
     if args.out_dir is None:
