@@ -48,8 +48,8 @@ class Blocks:
 
 
 MAX_BLOCKS = 1_200_000
-"""Audio cuts (and as many row cuts) a table holds at most: every rank plans all blocks each epoch, ~650 B a
-block per 8-rank node (measured at 1.5M blocks, bench_block_loader.py), so at most ~1.6 GB a node."""
+"""Audio cuts a table holds at most (row cuts add up to half as many, where utterances are short): every rank
+plans all blocks each epoch, ~650 B a block per 8-rank node (measured at 1.5M blocks, bench_block_loader.py)."""
 MIN_BLOCK_S = 30.0
 """Smallest automatic block by audio."""
 
@@ -59,9 +59,9 @@ def block_shape(total_audio_s: float, rows: int, batches_per_chunk: int,
     """(seconds, rows) a block holds at most: it ends at whichever limit comes first. The smallest the table
     allows: MIN_BLOCK_S and `batches_per_chunk` rows while the corpus is small (block-mates are then fewer than
     a chunk's batches and the stratified deal never puts two in one batch: variety of a uniform in-bucket
-    shuffle), up to ~790 s and ~84 rows at 100M rows of ~9.5 s. `given_s` overrides the seconds."""
+    shuffle), up to ~790 s and ~170 rows at 100M rows of ~9.5 s. `given_s` overrides the seconds."""
     return (given_s if given_s else max(MIN_BLOCK_S, total_audio_s / MAX_BLOCKS),
-            max(batches_per_chunk, math.ceil(rows / MAX_BLOCKS)))
+            max(batches_per_chunk, math.ceil(2 * rows / MAX_BLOCKS)))
 
 
 WINDOW_ROWS = 1 << 22

@@ -63,7 +63,7 @@ class StreamConfig:
     block_s: float | None = None
     """Audio seconds per block of the block planner, the unit dealt to ranks (smaller: more variety and fuller
     batches, a larger table). None: the smallest the table allows, at least 30 s (blockplan.block_shape: 30 s at
-    4M rows, ~790 s at 100M); blocks also end every max(batches_per_chunk, rows / 1.2M) rows."""
+    4M rows, ~790 s at 100M); blocks also end every max(batches_per_chunk, rows / 600k) rows."""
     index_cache_dir: str | None = None
     """Node-local folder for the block planner's memory-mapped index (~70 B a row plus keys and transcripts on
     disk; built by the first rank of a node); None: `<tempdir>/shardtrain-index`."""
