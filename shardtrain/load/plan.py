@@ -39,6 +39,9 @@ import numpy.random  # noqa: F401 - numpy 2 imports it lazily on first use, insi
 FILL_TARGET = 0.95
 """Planned chunk audio per batch, as a share of max_batch_seconds."""
 
+VARIETY_SLACK = 0.05
+"""Run-mate excess (share of the uniform in-bucket pair repeat rate) above which runs shrink below run_mb."""
+
 PLAN_COLUMNS = ("shard", "offset", "size", "audio_offset", "audio_size", "json_offset", "json_size", "duration_s",
                 "num_samples", "channels")
 
@@ -67,6 +70,10 @@ class BucketConfig:
     from random places of its bucket (re-cut at a random phase every epoch) and deals them at random, so batch
     composition changes every epoch (pair repeat rate near a uniform in-bucket shuffle) while reads stay large
     and sequential. 0: a chunk is one contiguous run of the duration order (the same neighbours every epoch)."""
+    min_run_mb: float = 0.25
+    """Smallest run (bytes per read) `run_mb` may shrink to in a bucket much larger than its chunks, where
+    shorter runs keep batch variety (runs of <= batches_per_chunk rows part in the deal). Set it to run_mb to
+    keep every run at run_mb (reads stay larger, pairs repeat more across epochs)."""
     chunk_mb: float = 64.0
     """Upper bound on bytes per chunk, whatever the batch size (caps read size and memory per chunk)."""
 
@@ -81,6 +88,8 @@ class BucketConfig:
             raise ValueError("stream.bucket.chunk_mb must be > 0")
         if self.run_mb < 0:
             raise ValueError("stream.bucket.run_mb must be >= 0")
+        if self.min_run_mb < 0:
+            raise ValueError("stream.bucket.min_run_mb must be >= 0")
         if self.batches_per_chunk < 1:
             raise ValueError("stream.bucket.batches_per_chunk must be >= 1")
         if self.quadratic_duration_s is not None and self.quadratic_duration_s <= 0:
@@ -241,10 +250,11 @@ def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: Bu
     return best_n
 
 
-def _cut_runs(bucket: np.ndarray, costs: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Cut a bucket into n contiguous pieces of equal audio, boundaries shifted by a random phase (some may be
-    empty). The piece that wraps past the end joins the bucket's first rows: two byte ranges, still one piece."""
-    cum = np.cumsum(costs[bucket])
+def _cut_runs(bucket: np.ndarray, weights: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Cut a bucket into n contiguous pieces of equal weight (`weights[i]` for `bucket[i]`: audio cost, or ones
+    for equal row counts), boundaries shifted by a random phase (some may be empty). The piece that wraps past
+    the end joins the bucket's first rows: two byte ranges, still one piece."""
+    cum = np.cumsum(weights)
     total = cum[-1]
     phase = rng.random()
     bounds = np.searchsorted(cum, total * (np.arange(n) + phase) / n, side="left")
@@ -254,16 +264,36 @@ def _cut_runs(bucket: np.ndarray, costs: np.ndarray, n: int, rng: np.random.Gene
     return pieces
 
 
-def _runs_per_chunk(nbytes: float, rows: int, n: int, cfg: BucketConfig) -> int:
-    """Runs of about `run_mb` each a chunk gathers (1 without mixing; never more runs than rows)."""
+def _run_count(bucket: np.ndarray, nbytes: float, costs: np.ndarray, n: int, cfg: BucketConfig) -> int:
+    """How many runs of equal row count to cut a bucket into (n: one run per chunk, the contiguous layout).
+
+    Runs of ~`run_mb`, unless the bucket is large against its chunks: run-mates (rows of one run) are read
+    together again next epoch with probability ~1/2, so with a deal that ignores runs they meet again in a batch
+    more often than a uniform in-bucket shuffle pairs anything, by ~N x L / (2 C^2) of the uniform rate (bucket
+    rows N, run rows L, chunk rows C). Where that exceeds VARIETY_SLACK, runs shrink to the length at which it
+    does not, but not below m rows (batches per chunk: `_deal_runs` puts a run of <= m rows into distinct
+    batches, which removes the excess altogether) nor below `min_run_mb` bytes (what it costs: smaller reads)."""
+    rows = len(bucket)
     if cfg.run_mb <= 0:
-        return 1
-    return max(1, min(rows // n, round(nbytes / n / (cfg.run_mb * 1e6))))
+        return n
+    row_bytes = max(nbytes / rows, 1.0)
+    run_rows = cfg.run_mb * 1e6 / row_bytes
+    chunk_rows = rows / n
+    ok_rows = 2 * VARIETY_SLACK * chunk_rows**2 / rows
+    if run_rows > ok_rows:
+        c = costs[bucket]
+        per_chunk = float(c.max()) * chunk_rows if cfg.padded_budget else float(c.sum()) / n
+        m = max(1, math.ceil(per_chunk / cfg.max_batch_seconds - 1e-9))
+        if cfg.max_batch_size is not None:
+            m = max(m, math.ceil(chunk_rows / cfg.max_batch_size))
+        run_rows = min(run_rows, max(ok_rows, m, cfg.min_run_mb * 1e6 / row_bytes))
+    return max(n, min(rows, math.ceil(rows / max(run_rows, 1.0))))
 
 
 def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_size: int, cfg: BucketConfig,
-                rng: np.random.Generator) -> list[np.ndarray]:
-    """Cut a bucket into n (a multiple of world_size) chunks of equal audio.
+                rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut a bucket into n (a multiple of world_size) chunks of equal audio: per chunk (rows, run id of each row),
+    runs contiguous and each in duration order (what `_deal_runs` needs to keep run-mates apart).
 
     n is chosen so a chunk holds `batches_per_chunk` batches filled to ~95% of the budget (the headroom absorbs
     the spread of dealing shuffled utterances), and no more than `chunk_mb` bytes. Each chunk is k contiguous runs
@@ -272,18 +302,24 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     """
     nbytes = float(idx.size[bucket].sum())
     n = _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
-    k = _runs_per_chunk(nbytes, len(bucket), n, cfg)
-    runs = _cut_runs(bucket, costs, n * k, rng)
-    if k > 1:  # runs in random order, then cut into n chunks of equal audio (a run may straddle two chunks)
-        seq = np.concatenate([runs[j] for j in rng.permutation(len(runs))])
+    n_runs = _run_count(bucket, nbytes, costs, n, cfg)
+    if n_runs > n:  # runs of equal rows in random order, then cut into n chunks of equal audio
+        runs = _cut_runs(bucket, np.ones(len(bucket)), n_runs, rng)
+        order = rng.permutation(len(runs))
+        seq = np.concatenate([runs[j] for j in order])
+        run_of = np.repeat(np.arange(len(runs)), [len(runs[j]) for j in order])
         cum = np.cumsum(costs[seq])
-        runs = np.split(seq, np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left"))
+        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left")
+        pieces = list(zip(np.split(seq, cuts), np.split(run_of, cuts)))
+    else:  # one run per chunk (ascending: the wrap-around piece's two byte ranges in order)
+        runs = _cut_runs(bucket, costs[bucket], n, rng)
+        pieces = [(np.sort(r), np.zeros(len(r), np.int64)) for r in runs]
     # equal-audio cuts can leave a piece empty when a few long rows dominate; rebalance by moving single rows
-    pieces = [np.sort(p) for p in runs]
-    while any(len(p) == 0 for p in pieces):
-        empty = next(i for i, p in enumerate(pieces) if len(p) == 0)
-        donor = max(range(n), key=lambda i: len(pieces[i]))
-        pieces[empty], pieces[donor] = pieces[donor][-1:], pieces[donor][:-1]
+    while any(len(p) == 0 for p, _ in pieces):
+        empty = next(i for i, (p, _) in enumerate(pieces) if len(p) == 0)
+        donor = max(range(n), key=lambda i: len(pieces[i][0]))
+        (p, r) = pieces[donor]
+        pieces[empty], pieces[donor] = (p[-1:], r[-1:]), (p[:-1], r[:-1])
     return pieces
 
 
@@ -291,6 +327,31 @@ def _deal(rows: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray
     """Shuffle rows and deal them round-robin into m batches (sizes differ by at most one)."""
     perm = rows[rng.permutation(len(rows))]
     return [perm[i::m] for i in range(m)]
+
+
+def _deal_runs(rows: np.ndarray, run_of: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Deal a chunk into m batches so that run-mates (neighbours in duration order, read together) part.
+
+    Each run (contiguous in `rows`, in duration order) is cut into ceil(L / m) contiguous sub-runs of <= m rows;
+    the sub-runs are laid end to end in random order (rows inside each in random order) and position p goes to
+    batch p mod m. So the rows of a sub-run always land in distinct batches, rows of different sub-runs meet with
+    probability ~1/m (as in a uniform shuffle of the chunk), batch sizes differ by at most one, and the batches
+    come out in random order. Why: the rows that stay together across epochs are run-mates (a run is re-cut at a
+    random phase each epoch, so two rows d apart share a run again with probability ~1 - d/L); keeping the close
+    ones in distinct batches removes the run-mate excess over a uniform shuffle when runs hold <= m rows.
+    O(rows) numpy."""
+    n = len(rows)
+    if m == 1 or n == 0:
+        return [rows] + [rows[:0]] * (m - 1)
+    starts = np.flatnonzero(np.r_[True, run_of[1:] != run_of[:-1]])
+    lens = np.diff(np.r_[starts, n])
+    q = -(-lens // m)  # sub-runs per run
+    length, first = np.repeat(lens, lens), np.repeat(np.cumsum(q) - q, lens)
+    pos = np.arange(n) - np.repeat(starts, lens)
+    sub = first + pos * np.repeat(q, lens) // length  # near-equal contiguous pieces of <= m rows
+    order = np.lexsort((rng.random(n), rng.permutation(int(q.sum()))[sub]))
+    dealt = rows[order]
+    return [dealt[i::m] for i in rng.permutation(m)]
 
 
 def _batches_needed(rows: np.ndarray, costs: np.ndarray, cfg: BucketConfig) -> int:
@@ -327,14 +388,14 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
         pieces = _cut_chunks(bucket, idx, costs, world_size, cfg, rng)
         for g0 in range(0, len(pieces), world_size):
             members = pieces[g0:g0 + world_size]
-            m = max(_batches_needed(p, costs, cfg) for p in members)
+            m = max(_batches_needed(p, costs, cfg) for p, _ in members)
             while True:
-                dealt = [_deal(p, m, rng) for p in members]
+                dealt = [_deal(p, m, rng) if cfg.run_mb <= 0 else _deal_runs(p, r, m, rng) for p, r in members]
                 if all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for d in dealt for b in d):
                     break
                 m += 1
             rot = (g0 // world_size) % world_size  # rotate so no rank always gets a bucket's shortest chunk
-            chunks = [Chunk(rows=members[i], batches=tuple(dealt[i])) for i in range(world_size)]
+            chunks = [Chunk(rows=np.sort(members[i][0]), batches=tuple(dealt[i])) for i in range(world_size)]
             groups.append(chunks[rot:] + chunks[:rot])
     order = rng.permutation(len(groups))
     return EpochPlan(epoch=epoch, world_size=world_size, groups=[groups[i] for i in order], too_long=too_long)
