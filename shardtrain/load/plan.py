@@ -4,10 +4,11 @@
       -> duration buckets (bins with equal total audio, or given)                     -> contiguous row ranges
       -> chunks: each bucket cut into a multiple of `world_size` pieces of equal audio -> [Chunk(rows)]
          (`batches_per_chunk` batches each; a chunk is k runs of ~`run_mb` from random places of its bucket,
-         cut at a random phase every epoch, so batch composition changes per epoch; run_mb=0: one run)
+         cut at a random phase every epoch, so batch composition changes per epoch; shorter runs, down to
+         `min_run_mb`, where a bucket is large against its chunks; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
-      -> batches: every chunk of a group is shuffled and dealt into the same number M_g of batches
-         under the budget                                                           -> Chunk.batches
+      -> batches: every chunk of a group is dealt into the same number M_g of batches under the budget,
+         the rows of a run into distinct batches (`_deal_runs`)                      -> Chunk.batches
 
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
@@ -16,11 +17,17 @@ Why this shape:
 - Exactly once: every non-excluded row lands in exactly one chunk and one batch. The only rows left out are
   those that alone exceed the batch budget (counted as `too_long`) or, when the corpus has fewer samples than
   ranks, all of them (refused with an error instead).
-- Locality: a chunk is a few contiguous runs of the duration-sorted index (~1 MB each), so a reader fetches it
-  with a few large sequential reads; shuffling inside one duration bucket keeps padding small.
+- Locality: a chunk is a few contiguous runs of the duration-sorted index (0.25-1 MB each), so a reader fetches
+  it with a few large sequential reads; shuffling inside one duration bucket keeps padding small.
 - Variety (design invariant 9): the pairs sharing a batch again next epoch are about as few as with a uniform
-  shuffle in the same buckets (about B / N for batches of B in a bucket of N), plus run-mates: ~L x B / C^2 for
-  runs of L rows in chunks of C rows (batches_per_chunk=4 keeps it small; benchmarks/bench_shuffle.py).
+  shuffle in the same buckets (about B / N for batches of B in a bucket of N rows). The one thing that could
+  add to that is run-mates: rows of one run are read together again next epoch with probability ~1/2 (two rows
+  d apart: 1 - d / L), so dealt at random they would meet again ~N x L / (2 C^2) times the uniform rate more
+  (runs of L rows, chunks of C rows; x2.4 at 200k rows and x7.8 at 1M with 1 MB runs). Hence two measures: the
+  deal puts the rows of a run (of a sub-run of <= m rows, m = batches of the chunk) into distinct batches, which
+  removes the excess when L <= m; and where N x L / (2 C^2) would exceed VARIETY_SLACK, runs shrink towards m
+  rows (not below `min_run_mb`). Measured: x1.0 of the uniform rate from 4k to 1M rows, reads ~0.65 MB instead
+  of 1 MB at the large sizes (benchmarks/bench_shuffle.py).
 - Worker independence: a rank's batch sequence is fixed before any worker exists; workers take whole chunks
   round-robin (`chunks[w::num_workers]`), and DataLoader's round-robin order restores the sequence.
 
@@ -61,19 +68,26 @@ class BucketConfig:
     bins_s: tuple[float, ...] | None = None
     """Hand-set bucket edges in seconds (ascending, interior edges only)."""
     batches_per_chunk: int = 4
-    """Most batches a chunk (what one reader item reads and decodes) holds; fewer, larger chunks mix more. 4: the
-    pair repeat rate across epochs of a uniform in-bucket shuffle on the 4k-utterance benchmark (1: 1.05-1.3x
-    it), padding 0.97; memory ~ prefetch_chunks x 4 decoded batches. With run_mb=0, 1 is the old contiguous
+    """Most batches a chunk (what one reader item reads and decodes) holds; fewer, larger chunks mix more, and
+    runs of up to this many rows are dealt into distinct batches. 4: the pair repeat rate across epochs of a
+    uniform in-bucket shuffle from the 4k-utterance benchmark to 1M rows (x1.0; padding 0.97 on the benchmark),
+    with runs of ~4 rows (~0.65 MB of 8 s FLAC utterances) in buckets much larger than their chunks; memory ~
+    prefetch_chunks x 4 decoded batches. 8: reads ~1.5x larger, twice the memory. 1: a batch is a chunk, so
+    run-mates cannot part (x1.05 on the benchmark, ~x4 at 40k rows). With run_mb=0, 1 is the old contiguous
     batch (padding 0.96, 58% of pairs meet again next epoch)."""
     run_mb: float = 1.0
     """Contiguous bytes per read inside a bucket. A chunk gathers its batches from runs of about this size taken
-    from random places of its bucket (re-cut at a random phase every epoch) and deals them at random, so batch
-    composition changes every epoch (pair repeat rate near a uniform in-bucket shuffle) while reads stay large
-    and sequential. 0: a chunk is one contiguous run of the duration order (the same neighbours every epoch)."""
+    from random places of its bucket (re-cut at a random phase every epoch) and deals them with the rows of a
+    run in distinct batches, so batch composition changes every epoch (pair repeat rate of a uniform in-bucket
+    shuffle) while reads stay large and sequential. Where a bucket is much larger than its chunks, runs shrink
+    towards batches_per_chunk rows (see min_run_mb). 0: a chunk is one contiguous run of the duration order
+    (the same neighbours every epoch)."""
     min_run_mb: float = 0.25
-    """Smallest run (bytes per read) `run_mb` may shrink to in a bucket much larger than its chunks, where
-    shorter runs keep batch variety (runs of <= batches_per_chunk rows part in the deal). Set it to run_mb to
-    keep every run at run_mb (reads stay larger, pairs repeat more across epochs)."""
+    """Smallest run (bytes per read) that runs may shrink to in a bucket much larger than its chunks, where runs
+    of <= batches_per_chunk rows keep the pair repeat rate at a uniform shuffle's (their rows part in the deal).
+    The trade: at 200k-1M rows of ~8 s utterances, ~0.65 MB reads (7.7 per batch) instead of 1 MB (5 per batch)
+    for x1.0 instead of x2.4-7.8 of the uniform repeat rate. Short utterances hit the floor first (runs longer
+    than m rows: a small excess, x1.15 at 40k rows of 0.5-3 s). Set it to run_mb to keep every run at run_mb."""
     chunk_mb: float = 64.0
     """Upper bound on bytes per chunk, whatever the batch size (caps read size and memory per chunk)."""
 
@@ -251,9 +265,9 @@ def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: Bu
 
 
 def _cut_runs(bucket: np.ndarray, weights: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Cut a bucket into n contiguous pieces of equal weight (`weights[i]` for `bucket[i]`: audio cost, or ones
-    for equal row counts), boundaries shifted by a random phase (some may be empty). The piece that wraps past
-    the end joins the bucket's first rows: two byte ranges, still one piece."""
+    """Cut a bucket into n contiguous pieces of equal weight (`weights[i]`: the budget cost of `bucket[i]`),
+    boundaries shifted by a random phase (some may be empty). The piece that wraps past the end joins the
+    bucket's first rows: two byte ranges, still one piece."""
     cum = np.cumsum(weights)
     total = cum[-1]
     phase = rng.random()
@@ -262,6 +276,19 @@ def _cut_runs(bucket: np.ndarray, weights: np.ndarray, n: int, rng: np.random.Ge
     pieces = [bucket[bounds[i]:bounds[i + 1]] for i in range(n - 1)]
     pieces.append(np.concatenate([bucket[bounds[-1]:], bucket[:bounds[0]]]))
     return pieces
+
+
+def _shuffled_runs(bucket: np.ndarray, n_runs: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """The bucket cut into n_runs contiguous runs of equal row count (they differ by at most one row) at a random
+    phase, the one past the end wrapping to the bucket's first rows, laid end to end in random order: (rows, run
+    id of each row). Flat numpy, no array per run (a 1M-row corpus has ~250k runs)."""
+    size = len(bucket)
+    bounds = np.floor((np.arange(n_runs) + rng.random()) * size / n_runs).astype(np.int64)
+    lens = np.diff(np.append(bounds, bounds[0] + size))
+    order = rng.permutation(n_runs)
+    lens = lens[order]
+    pos = np.repeat(bounds[order] - (np.cumsum(lens) - lens), lens) + np.arange(size)
+    return bucket[pos % size], np.repeat(np.arange(n_runs), lens)
 
 
 def _run_count(bucket: np.ndarray, nbytes: float, costs: np.ndarray, n: int, cfg: BucketConfig) -> int:
@@ -297,17 +324,15 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
 
     n is chosen so a chunk holds `batches_per_chunk` batches filled to ~95% of the budget (the headroom absorbs
     the spread of dealing shuffled utterances), and no more than `chunk_mb` bytes. Each chunk is k contiguous runs
-    of about `run_mb` (k x n equal-audio runs cut at a random phase, shuffled, cut into n), so which utterances
-    meet in a chunk changes every epoch while every read stays a large sequential one (k = 1 with run_mb=0).
+    (`_run_count`: ~`run_mb`, or shorter for variety; runs of equal rows cut at a random phase, shuffled, cut
+    into n of equal audio), so which utterances meet in a chunk changes every epoch while every read stays a
+    large sequential one (k = 1 with run_mb=0: n equal-audio pieces, the contiguous layout).
     """
     nbytes = float(idx.size[bucket].sum())
     n = _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
     n_runs = _run_count(bucket, nbytes, costs, n, cfg)
     if n_runs > n:  # runs of equal rows in random order, then cut into n chunks of equal audio
-        runs = _cut_runs(bucket, np.ones(len(bucket)), n_runs, rng)
-        order = rng.permutation(len(runs))
-        seq = np.concatenate([runs[j] for j in order])
-        run_of = np.repeat(np.arange(len(runs)), [len(runs[j]) for j in order])
+        seq, run_of = _shuffled_runs(bucket, n_runs, rng)
         cum = np.cumsum(costs[seq])
         cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left")
         pieces = list(zip(np.split(seq, cuts), np.split(run_of, cuts)))
@@ -343,14 +368,14 @@ def _deal_runs(rows: np.ndarray, run_of: np.ndarray, m: int, rng: np.random.Gene
     n = len(rows)
     if m == 1 or n == 0:
         return [rows] + [rows[:0]] * (m - 1)
-    starts = np.flatnonzero(np.r_[True, run_of[1:] != run_of[:-1]])
-    lens = np.diff(np.r_[starts, n])
+    starts = np.concatenate(([0], np.flatnonzero(run_of[1:] != run_of[:-1]) + 1))
+    lens = np.diff(np.append(starts, n))
     q = -(-lens // m)  # sub-runs per run
-    length, first = np.repeat(lens, lens), np.repeat(np.cumsum(q) - q, lens)
+    q_row = np.repeat(q, lens)
     pos = np.arange(n) - np.repeat(starts, lens)
-    sub = first + pos * np.repeat(q, lens) // length  # near-equal contiguous pieces of <= m rows
-    order = np.lexsort((rng.random(n), rng.permutation(int(q.sum()))[sub]))
-    dealt = rows[order]
+    sub = np.repeat(np.cumsum(q) - q, lens) + pos * q_row // np.repeat(lens, lens)  # contiguous, <= m rows each
+    key = rng.permutation(int(q.sum()))[sub] + rng.random(n)  # sub-runs in random order, shuffled
+    dealt = rows[np.argsort(key)]
     return [dealt[i::m] for i in rng.permutation(m)]
 
 
