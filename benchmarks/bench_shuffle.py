@@ -131,14 +131,18 @@ def loader_run(url: str, max_batch_seconds: float, run_mb: float, batches_per_ch
 
 def throughput(ds: str, args: argparse.Namespace) -> list[dict]:
     """The loader with mixing (default) and without (run_mb=0, batches_per_chunk=1), alternated --repeats times,
-    beside the decode-only limit (all cores, no batching) of the same shards."""
-    runs: dict[str, list[dict]] = {"shardtrain (default)": [], "shardtrain run_mb=0 (before issue 11)": [],
-                                   "decode-only limit": []}
-    for _ in range(args.repeats):
-        for label, mb, k in (("shardtrain (default)", 1.0, 4), ("shardtrain run_mb=0 (before issue 11)", 0.0, 1)):
+    beside the decode-only limit (all cores, no batching) of the same shards; with --baseline-tree, also the
+    default loader of another checkout (its `shardtrain` first on PYTHONPATH), for before/after comparisons."""
+    loaders = [("shardtrain (default)", 1.0, 4, None), ("shardtrain run_mb=0 (before issue 11)", 0.0, 1, None)]
+    if args.baseline_tree:
+        loaders.insert(1, (f"shardtrain (default) of {args.baseline_tree}", 1.0, 4, str(args.baseline_tree)))
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in loaders}
+    runs["decode-only limit"] = []
+    for rep in range(args.repeats):
+        for label, mb, k, tree in (loaders if rep % 2 == 0 else loaders[::-1]):  # alternate the order too
             runs[label].append(common.run_isolated("bench_shuffle", "loader_run", {
                 "url": ds, "max_batch_seconds": args.max_batch_seconds, "run_mb": mb, "batches_per_chunk": k,
-                "epochs": args.loader_epochs}))
+                "epochs": args.loader_epochs}, env={"PYTHONPATH": tree} if tree else None))
         runs["decode-only limit"].append(common.run_isolated("bench_loader", "run_decode_limit", {
             "paths": common.shard_paths(Path(ds)), "processes": 2, "epochs": args.loader_epochs}))
     out = []
@@ -229,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--throughput", action="store_true", help="also time the real loader, with and without mixing")
     ap.add_argument("--repeats", type=int, default=3, help="throughput runs per loader (alternated)")
     ap.add_argument("--loader-epochs", type=int, default=2)
+    ap.add_argument("--baseline-tree", type=Path, help="with --throughput: also time the default loader of this "
+                    "checkout (e.g. a `git worktree` of main), alternated with this one")
     ap.add_argument("--out", type=Path, default=common.BENCH_DIR / "results" / "bench_shuffle.json")
     return ap.parse_args(argv)
 
