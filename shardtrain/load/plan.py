@@ -368,13 +368,15 @@ def _deal_runs(rows: np.ndarray, run_of: np.ndarray, m: int, rng: np.random.Gene
     n = len(rows)
     if m == 1 or n == 0:
         return [rows] + [rows[:0]] * (m - 1)
-    starts = np.concatenate(([0], np.flatnonzero(run_of[1:] != run_of[:-1]) + 1))
-    lens = np.diff(np.append(starts, n))
-    q = -(-lens // m)  # sub-runs per run
-    q_row = np.repeat(q, lens)
-    pos = np.arange(n) - np.repeat(starts, lens)
-    sub = np.repeat(np.cumsum(q) - q, lens) + pos * q_row // np.repeat(lens, lens)  # contiguous, <= m rows each
-    key = rng.permutation(int(q.sum()))[sub] + rng.random(n)  # sub-runs in random order, shuffled
+    bounds = np.flatnonzero(np.concatenate(([True], run_of[1:] != run_of[:-1], [True])))
+    lens = np.diff(bounds)
+    if lens.max() <= m:  # the usual case where runs shrank for variety: a sub-run is a run
+        sub, n_sub = np.repeat(np.arange(len(lens)), lens), len(lens)
+    else:  # near-equal contiguous pieces of <= m rows
+        q = -(-lens // m)
+        pos = np.arange(n) - np.repeat(bounds[:-1], lens)
+        sub, n_sub = np.repeat(np.cumsum(q) - q, lens) + pos * np.repeat(q, lens) // np.repeat(lens, lens), int(q.sum())
+    key = rng.permutation(n_sub)[sub] + rng.random(n)  # sub-runs in random order, rows shuffled inside each
     dealt = rows[np.argsort(key)]
     return [dealt[i::m] for i in rng.permutation(m)]
 
