@@ -73,7 +73,7 @@ class BucketConfig:
     uniform in-bucket shuffle from the 4k-utterance benchmark to 1M rows (x1.0; padding 0.97 on the benchmark),
     with runs of ~4 rows (~0.65 MB of 8 s FLAC utterances) in buckets much larger than their chunks; memory ~
     prefetch_chunks x 4 decoded batches. 8: reads ~1.5x larger, twice the memory. 1: a batch is a chunk, so
-    run-mates cannot part (x1.05 on the benchmark, ~x4 at 40k rows). With run_mb=0, 1 is the old contiguous
+    run-mates cannot part (x1.01 on the benchmark, ~x4 at 40k rows). With run_mb=0, 1 is the old contiguous
     batch (padding 0.96, 58% of pairs meet again next epoch)."""
     run_mb: float = 1.0
     """Contiguous bytes per read inside a bucket. A chunk gathers its batches from runs of about this size taken
