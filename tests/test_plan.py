@@ -197,9 +197,9 @@ def test_batches_change_between_epochs_like_a_uniform_in_bucket_shuffle(rows, bu
 
 
 def test_deal_parts_run_mates_and_balances_sizes():
-    """_deal_runs: a run of <= m rows lands in distinct batches; a longer run is cut into contiguous sub-runs of
+    """deal_runs: a run of <= m rows lands in distinct batches; a longer run is cut into contiguous sub-runs of
     <= m rows that do; batch sizes differ by at most one; every row is dealt once."""
-    from shardtrain.load.plan import _deal_runs
+    from shardtrain.load.plan import deal_runs
 
     rng = np.random.default_rng(0)
     m = 4
@@ -207,7 +207,7 @@ def test_deal_parts_run_mates_and_balances_sizes():
     rows = np.arange(sum(lens)) * 10
     run_of = np.repeat(np.arange(len(lens)), lens)
     for _ in range(50):
-        batches = _deal_runs(rows, run_of, m, rng)
+        batches = deal_runs(rows, run_of, m, rng)
         assert len(batches) == m and sorted(np.concatenate(batches).tolist()) == rows.tolist()
         assert max(map(len, batches)) - min(map(len, batches)) <= 1
         batch_of = {int(r): i for i, b in enumerate(batches) for r in b}

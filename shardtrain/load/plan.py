@@ -8,7 +8,7 @@
          `min_run_mb`, where a bucket is large against its chunks; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
       -> batches: every chunk of a group is dealt into the same number M_g of batches under the budget,
-         the rows of a run into distinct batches (`_deal_runs`)                      -> Chunk.batches
+         the rows of a run into distinct batches (`deal_runs`)                      -> Chunk.batches
 
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
@@ -298,7 +298,7 @@ def _run_count(bucket: np.ndarray, nbytes: float, costs: np.ndarray, n: int, cfg
     together again next epoch with probability ~1/2, so with a deal that ignores runs they meet again in a batch
     more often than a uniform in-bucket shuffle pairs anything, by ~N x L / (2 C^2) of the uniform rate (bucket
     rows N, run rows L, chunk rows C). Where that exceeds VARIETY_SLACK, runs shrink to the length at which it
-    does not, but not below m rows (batches per chunk: `_deal_runs` puts a run of <= m rows into distinct
+    does not, but not below m rows (batches per chunk: `deal_runs` puts a run of <= m rows into distinct
     batches, which removes the excess altogether) nor below `min_run_mb` bytes (what it costs: smaller reads)."""
     rows = len(bucket)
     if cfg.run_mb <= 0:
@@ -320,7 +320,7 @@ def _run_count(bucket: np.ndarray, nbytes: float, costs: np.ndarray, n: int, cfg
 def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_size: int, cfg: BucketConfig,
                 rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
     """Cut a bucket into n (a multiple of world_size) chunks of equal audio: per chunk (rows, run id of each row),
-    runs contiguous and each in duration order (what `_deal_runs` needs to keep run-mates apart).
+    runs contiguous and each in duration order (what `deal_runs` needs to keep run-mates apart).
 
     n is chosen so a chunk holds `batches_per_chunk` batches filled to ~95% of the budget (the headroom absorbs
     the spread of dealing shuffled utterances), and no more than `chunk_mb` bytes. Each chunk is k contiguous runs
@@ -354,7 +354,7 @@ def _deal(rows: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray
     return [perm[i::m] for i in range(m)]
 
 
-def _deal_runs(rows: np.ndarray, run_of: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
+def deal_runs(rows: np.ndarray, run_of: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Deal a chunk into m batches so that run-mates (neighbours in duration order, read together) part.
 
     Each run (contiguous in `rows`, in duration order) is cut into ceil(L / m) contiguous sub-runs of <= m rows;
@@ -364,6 +364,7 @@ def _deal_runs(rows: np.ndarray, run_of: np.ndarray, m: int, rng: np.random.Gene
     come out in random order. Why: the rows that stay together across epochs are run-mates (a run is re-cut at a
     random phase each epoch, so two rows d apart share a run again with probability ~1 - d/L); keeping the close
     ones in distinct batches removes the run-mate excess over a uniform shuffle when runs hold <= m rows.
+    Public so any planner whose chunks are made of contiguous runs (blockplan's blocks) can deal the same way.
     O(rows) numpy."""
     n = len(rows)
     if m == 1 or n == 0:
@@ -417,7 +418,7 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
             members = pieces[g0:g0 + world_size]
             m = max(_batches_needed(p, costs, cfg) for p, _ in members)
             while True:
-                dealt = [_deal(p, m, rng) if cfg.run_mb <= 0 else _deal_runs(p, r, m, rng) for p, r in members]
+                dealt = [_deal(p, m, rng) if cfg.run_mb <= 0 else deal_runs(p, r, m, rng) for p, r in members]
                 if all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for d in dealt for b in d):
                     break
                 m += 1
