@@ -8,7 +8,7 @@
          `min_run_mb`, where a bucket is large against its chunks; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
       -> batches: every chunk of a group is dealt into the same number M_g of batches under the budget,
-         the rows of a run into distinct batches (`deal_runs`)                      -> Chunk.batches
+         the rows of a run into distinct batches (`deal_runs`)                       -> Chunk.batches
 
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
