@@ -54,7 +54,8 @@ def repeat_stats(epochs: list[list[np.ndarray]], n: int) -> dict:
         rates.append(float(np.isin(a, b, assume_unique=True).mean()) if len(a) else 0.0)
         kb = {tuple(np.sort(x).tolist()) for x in eb}
         same.append(float(np.mean([tuple(np.sort(x).tolist()) in kb for x in ea])))
-    return {"pair_repeat_rate": round(float(np.mean(rates)), 4), "identical_batches": round(float(np.mean(same)), 4)}
+    # 6 decimals: at 1M rows a uniform shuffle repeats ~0.1% of pairs, and the ratio to it is what matters
+    return {"pair_repeat_rate": round(float(np.mean(rates)), 6), "identical_batches": round(float(np.mean(same)), 4)}
 
 
 def padding_stats(batches: list[np.ndarray], dur: np.ndarray) -> dict:
@@ -117,27 +118,37 @@ def lhotse_epochs(dur: np.ndarray, epochs: int, max_batch_seconds: float, num_bu
     return out
 
 
-def loader_run(url: str, max_batch_seconds: float, run_mb: float, batches_per_chunk: int, epochs: int) -> dict:
-    """Run in a fresh interpreter: `epochs` of the real loader (one rank, local disk, default threads)."""
+def loader_run(url: str, max_batch_seconds: float, run_mb: float, batches_per_chunk: int, epochs: int,
+               storage_options: dict | None = None) -> dict:
+    """Run in a fresh interpreter: `epochs` of the real loader (one rank, default threads; local disk, or S3
+    with `storage_options`)."""
     from shardtrain.load.bench import BenchConfig, bench_loader
     from shardtrain.load.config import StreamConfig
     from shardtrain.load.plan import BucketConfig
     from shardtrain.world import World
 
     bucket = BucketConfig(max_batch_seconds=max_batch_seconds, run_mb=run_mb, batches_per_chunk=batches_per_chunk)
-    return bench_loader(url, world=World(), seed=0, stream=StreamConfig(bucket=bucket), bench=BenchConfig(epochs=epochs))
+    return bench_loader(url, world=World(), seed=0, stream=StreamConfig(bucket=bucket),
+                        bench=BenchConfig(epochs=epochs), storage_options=storage_options)
 
 
-def throughput(ds: str, args: argparse.Namespace) -> list[dict]:
+def throughput(ds: str, args: argparse.Namespace, url: str, storage_options: dict | None) -> list[dict]:
     """The loader with mixing (default) and without (run_mb=0, batches_per_chunk=1), alternated --repeats times,
-    beside the decode-only limit (all cores, no batching) of the same shards."""
-    runs: dict[str, list[dict]] = {"shardtrain (default)": [], "shardtrain run_mb=0 (before issue 11)": [],
-                                   "decode-only limit": []}
-    for _ in range(args.repeats):
-        for label, mb, k in (("shardtrain (default)", 1.0, 4), ("shardtrain run_mb=0 (before issue 11)", 0.0, 1)):
+    beside the decode-only limit (all cores, no batching) of the same shards; with --baseline-tree, also the
+    default loader of another checkout (its `shardtrain` first on PYTHONPATH), for before/after comparisons.
+    `url`/`storage_options`: where the loaders read (the dataset itself, or its copy on a local SeaweedFS)."""
+    k = args.loader_batches_per_chunk
+    loaders = [("shardtrain (default)", 1.0, k, None), ("shardtrain run_mb=0 (before issue 11)", 0.0, 1, None)]
+    if args.baseline_tree:
+        loaders.insert(1, (f"shardtrain (default) of {args.baseline_tree}", 1.0, k, str(args.baseline_tree)))
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in loaders}
+    runs["decode-only limit"] = []
+    for rep in range(args.repeats):
+        for label, mb, k, tree in (loaders if rep % 2 == 0 else loaders[::-1]):  # alternate the order too
             runs[label].append(common.run_isolated("bench_shuffle", "loader_run", {
-                "url": ds, "max_batch_seconds": args.max_batch_seconds, "run_mb": mb, "batches_per_chunk": k,
-                "epochs": args.loader_epochs}))
+                "url": url, "max_batch_seconds": args.max_batch_seconds, "run_mb": mb, "batches_per_chunk": k,
+                "epochs": args.loader_epochs, "storage_options": storage_options},
+                env={"PYTHONPATH": tree} if tree else None))
         runs["decode-only limit"].append(common.run_isolated("bench_loader", "run_decode_limit", {
             "paths": common.shard_paths(Path(ds)), "processes": 2, "epochs": args.loader_epochs}))
     out = []
@@ -149,6 +160,23 @@ def throughput(ds: str, args: argparse.Namespace) -> list[dict]:
     for row, rs in zip(out, runs.values()):
         row["of_decode_limit"] = f"{statistics.median(r['audio_s_per_s'] for r in rs) / limit:.0%}"
     return out
+
+
+def throughput_on(ds: str, args: argparse.Namespace) -> list[dict]:
+    """throughput() on local disk, or with --s3 on a copy uploaded to a SeaweedFS server on loopback."""
+    if not args.s3:
+        return throughput(ds, args, ds, None)
+    import tempfile
+
+    from shardtrain.testing.s3server import LocalS3
+
+    with tempfile.TemporaryDirectory(prefix="s3-", dir=args.work_dir) as tmp:
+        s3 = LocalS3(Path(tmp) / "data").start()
+        try:
+            url = common.upload_dir(s3, Path(ds), "bench", "ds")
+            return throughput(ds, args, url, s3.storage_options)
+        finally:
+            s3.stop()
 
 
 def load_index(args: argparse.Namespace):
@@ -182,6 +210,8 @@ def measure(args: argparse.Namespace) -> dict:
                ("shardtrain run_mb=0 (before issue 11)", dataclasses.replace(base, run_mb=0.0, batches_per_chunk=1))]
     configs += [(f"shardtrain batches_per_chunk={k}", dataclasses.replace(base, batches_per_chunk=k))
                 for k in args.batches_per_chunk if k != base.batches_per_chunk]
+    configs += [(f"shardtrain min_run_mb={mb:g}", dataclasses.replace(base, min_run_mb=mb))
+                for mb in args.min_run_mb if mb != base.min_run_mb]
     for label, cfg in configs:
         t0 = time.perf_counter()
         planned = [plan_batches(idx, cfg, e, args.world_size, args.seed) for e in range(args.epochs)]
@@ -192,14 +222,15 @@ def measure(args: argparse.Namespace) -> dict:
             add(f"lhotse DynamicBucketingSampler ({nb} buckets)",
                 lhotse_epochs(dur, args.epochs, args.max_batch_seconds, nb, args.seed))
     if args.throughput:
-        thr = throughput(name, args)
+        thr = throughput_on(name, args)
     ref = next(r for r in rows if r["sampler"].startswith("uniform"))["pair_repeat_rate"]
     for r in rows:
-        r["vs_uniform"] = round(r["pair_repeat_rate"] / ref, 2) if ref else None
+        r["vs_uniform"] = round(r["pair_repeat_rate"] / ref, 3) if ref else None
     return {"bench": "shuffle", "git": common.git_sha(), "dataset": name, "rows_in_index": n,
             "audio_hours": round(float(dur.sum()) / 3600, 2), "world_size": args.world_size, "epochs": args.epochs,
             "max_batch_seconds": args.max_batch_seconds, "results": rows,
-            "throughput": thr if args.throughput else None, "loader_epochs": args.loader_epochs}
+            "throughput": thr if args.throughput else None, "loader_epochs": args.loader_epochs,
+            "loader_storage": "s3 (SeaweedFS, loopback)" if args.s3 else "local disk"}
 
 
 COLUMNS = [("sampler", "sampler"), ("pair_repeat_rate", "pair repeat rate"), ("vs_uniform", "x uniform"),
@@ -219,11 +250,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batches-per-chunk", type=int, nargs="*", default=[])
+    ap.add_argument("--min-run-mb", type=float, nargs="*", default=[],
+                    help="also plan with these min_run_mb (e.g. 1: runs never shrink below run_mb)")
     ap.add_argument("--lhotse-buckets", type=int, nargs="*", default=[30, 10])
     ap.add_argument("--no-lhotse", action="store_true")
     ap.add_argument("--throughput", action="store_true", help="also time the real loader, with and without mixing")
     ap.add_argument("--repeats", type=int, default=3, help="throughput runs per loader (alternated)")
     ap.add_argument("--loader-epochs", type=int, default=2)
+    ap.add_argument("--loader-batches-per-chunk", type=int, default=4,
+                    help="batches_per_chunk of the timed default loaders (1 with a small budget: many small reads)")
+    ap.add_argument("--s3", action="store_true", help="with --throughput: the loaders read from a local SeaweedFS")
+    ap.add_argument("--baseline-tree", type=Path, help="with --throughput: also time the default loader of this "
+                    "checkout (e.g. a `git worktree` of main), alternated with this one")
     ap.add_argument("--out", type=Path, default=common.BENCH_DIR / "results" / "bench_shuffle.json")
     return ap.parse_args(argv)
 
@@ -238,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{res['world_size']}, max_batch_seconds {res['max_batch_seconds']:g}, epochs {res['epochs']}\n")
     print(common.markdown_table(res["results"], COLUMNS))
     if res["throughput"]:
-        print(f"\nloader throughput, local disk, {res['loader_epochs']} epochs, median "
+        print(f"\nloader throughput, {res['loader_storage']}, {res['loader_epochs']} epochs, median "
               "(min-max); timings are noisy on a shared 2-core machine\n")
         print(common.markdown_table(res["throughput"], [("loader", "loader"), ("audio_s_per_s", "audio-s/s"),
                                                         ("of_decode_limit", "of decode limit"),

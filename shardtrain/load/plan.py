@@ -4,10 +4,11 @@
       -> duration buckets (bins with equal total audio, or given)                     -> contiguous row ranges
       -> chunks: each bucket cut into a multiple of `world_size` pieces of equal audio -> [Chunk(rows)]
          (`batches_per_chunk` batches each; a chunk is k runs of ~`run_mb` from random places of its bucket,
-         cut at a random phase every epoch, so batch composition changes per epoch; run_mb=0: one run)
+         cut at a random phase every epoch, so batch composition changes per epoch; shorter runs, down to
+         `min_run_mb`, where a bucket is large against its chunks; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
-      -> batches: every chunk of a group is shuffled and dealt into the same number M_g of batches
-         under the budget                                                           -> Chunk.batches
+      -> batches: every chunk of a group is dealt into the same number M_g of batches under the budget,
+         the rows of a run into distinct batches (`deal_runs`)                       -> Chunk.batches
 
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
@@ -16,11 +17,17 @@ Why this shape:
 - Exactly once: every non-excluded row lands in exactly one chunk and one batch. The only rows left out are
   those that alone exceed the batch budget (counted as `too_long`) or, when the corpus has fewer samples than
   ranks, all of them (refused with an error instead).
-- Locality: a chunk is a few contiguous runs of the duration-sorted index (~1 MB each), so a reader fetches it
-  with a few large sequential reads; shuffling inside one duration bucket keeps padding small.
+- Locality: a chunk is a few contiguous runs of the duration-sorted index (0.25-1 MB each), so a reader fetches
+  it with a few large sequential reads; shuffling inside one duration bucket keeps padding small.
 - Variety (design invariant 9): the pairs sharing a batch again next epoch are about as few as with a uniform
-  shuffle in the same buckets (about B / N for batches of B in a bucket of N), plus run-mates: ~L x B / C^2 for
-  runs of L rows in chunks of C rows (batches_per_chunk=4 keeps it small; benchmarks/bench_shuffle.py).
+  shuffle in the same buckets (about B / N for batches of B in a bucket of N rows). The one thing that could
+  add to that is run-mates: rows of one run are read together again next epoch with probability ~1/2 (two rows
+  d apart: 1 - d / L), so dealt at random they would meet again ~N x L / (2 C^2) times the uniform rate more
+  (runs of L rows, chunks of C rows; x2.4 at 200k rows and x7.8 at 1M with 1 MB runs). Hence two measures: the
+  deal puts the rows of a run (of a sub-run of <= m rows, m = batches of the chunk) into distinct batches, which
+  removes the excess when L <= m; and where N x L / (2 C^2) would exceed VARIETY_SLACK, runs shrink towards m
+  rows (not below `min_run_mb`). Measured: x1.0 of the uniform rate from 4k to 1M rows, reads ~0.65 MB instead
+  of 1 MB at the large sizes (benchmarks/bench_shuffle.py).
 - Worker independence: a rank's batch sequence is fixed before any worker exists; workers take whole chunks
   round-robin (`chunks[w::num_workers]`), and DataLoader's round-robin order restores the sequence.
 
@@ -38,6 +45,9 @@ import numpy.random  # noqa: F401 - numpy 2 imports it lazily on first use, insi
 
 FILL_TARGET = 0.95
 """Planned chunk audio per batch, as a share of max_batch_seconds."""
+
+VARIETY_SLACK = 0.05
+"""Run-mate excess (share of the uniform in-bucket pair repeat rate) above which runs shrink below run_mb."""
 
 PLAN_COLUMNS = ("shard", "offset", "size", "audio_offset", "audio_size", "json_offset", "json_size", "duration_s",
                 "num_samples", "channels")
@@ -58,15 +68,26 @@ class BucketConfig:
     bins_s: tuple[float, ...] | None = None
     """Hand-set bucket edges in seconds (ascending, interior edges only)."""
     batches_per_chunk: int = 4
-    """Most batches a chunk (what one reader item reads and decodes) holds; fewer, larger chunks mix more. 4: the
-    pair repeat rate across epochs of a uniform in-bucket shuffle on the 4k-utterance benchmark (1: 1.05-1.3x
-    it), padding 0.97; memory ~ prefetch_chunks x 4 decoded batches. With run_mb=0, 1 is the old contiguous
+    """Most batches a chunk (what one reader item reads and decodes) holds; fewer, larger chunks mix more, and
+    runs of up to this many rows are dealt into distinct batches. 4: the pair repeat rate across epochs of a
+    uniform in-bucket shuffle from the 4k-utterance benchmark to 1M rows (x1.0; padding 0.97 on the benchmark),
+    with runs of ~4 rows (~0.65 MB of 8 s FLAC utterances) in buckets much larger than their chunks; memory ~
+    prefetch_chunks x 4 decoded batches. 8: reads ~1.5x larger, twice the memory. 1: a batch is a chunk, so
+    run-mates cannot part (x1.01 on the benchmark, ~x4 at 40k rows). With run_mb=0, 1 is the old contiguous
     batch (padding 0.96, 58% of pairs meet again next epoch)."""
     run_mb: float = 1.0
     """Contiguous bytes per read inside a bucket. A chunk gathers its batches from runs of about this size taken
-    from random places of its bucket (re-cut at a random phase every epoch) and deals them at random, so batch
-    composition changes every epoch (pair repeat rate near a uniform in-bucket shuffle) while reads stay large
-    and sequential. 0: a chunk is one contiguous run of the duration order (the same neighbours every epoch)."""
+    from random places of its bucket (re-cut at a random phase every epoch) and deals them with the rows of a
+    run in distinct batches, so batch composition changes every epoch (pair repeat rate of a uniform in-bucket
+    shuffle) while reads stay large and sequential. Where a bucket is much larger than its chunks, runs shrink
+    towards batches_per_chunk rows (see min_run_mb). 0: a chunk is one contiguous run of the duration order
+    (the same neighbours every epoch)."""
+    min_run_mb: float = 0.25
+    """Smallest run (bytes per read) that runs may shrink to in a bucket much larger than its chunks, where runs
+    of <= batches_per_chunk rows keep the pair repeat rate at a uniform shuffle's (their rows part in the deal).
+    The trade: at 200k-1M rows of ~8 s utterances, ~0.65 MB reads (7.7 per batch) instead of 1 MB (5 per batch)
+    for x1.0 instead of x2.4-7.8 of the uniform repeat rate. Short utterances hit the floor first (runs longer
+    than m rows: a small excess, x1.15 at 40k rows of 0.5-3 s). Set it to run_mb to keep every run at run_mb."""
     chunk_mb: float = 64.0
     """Upper bound on bytes per chunk, whatever the batch size (caps read size and memory per chunk)."""
 
@@ -81,6 +102,8 @@ class BucketConfig:
             raise ValueError("stream.bucket.chunk_mb must be > 0")
         if self.run_mb < 0:
             raise ValueError("stream.bucket.run_mb must be >= 0")
+        if self.min_run_mb < 0:
+            raise ValueError("stream.bucket.min_run_mb must be >= 0")
         if self.batches_per_chunk < 1:
             raise ValueError("stream.bucket.batches_per_chunk must be >= 1")
         if self.quadratic_duration_s is not None and self.quadratic_duration_s <= 0:
@@ -247,10 +270,11 @@ def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: Bu
     return best_n
 
 
-def _cut_runs(bucket: np.ndarray, costs: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Cut a bucket into n contiguous pieces of equal audio, boundaries shifted by a random phase (some may be
-    empty). The piece that wraps past the end joins the bucket's first rows: two byte ranges, still one piece."""
-    cum = np.cumsum(costs[bucket])
+def _cut_runs(bucket: np.ndarray, weights: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Cut a bucket into n contiguous pieces of equal weight (`weights[i]`: the budget cost of `bucket[i]`),
+    boundaries shifted by a random phase (some may be empty). The piece that wraps past the end joins the
+    bucket's first rows: two byte ranges, still one piece."""
+    cum = np.cumsum(weights)
     total = cum[-1]
     phase = rng.random()
     bounds = np.searchsorted(cum, total * (np.arange(n) + phase) / n, side="left")
@@ -260,36 +284,73 @@ def _cut_runs(bucket: np.ndarray, costs: np.ndarray, n: int, rng: np.random.Gene
     return pieces
 
 
-def _runs_per_chunk(nbytes: float, rows: int, n: int, cfg: BucketConfig) -> int:
-    """Runs of about `run_mb` each a chunk gathers (1 without mixing; never more runs than rows)."""
+def _shuffled_runs(bucket: np.ndarray, n_runs: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """The bucket cut into n_runs contiguous runs of equal row count (they differ by at most one row) at a random
+    phase, the one past the end wrapping to the bucket's first rows, laid end to end in random order: (rows, run
+    id of each row). Flat numpy, no array per run (a 1M-row corpus has ~250k runs)."""
+    size = len(bucket)
+    bounds = np.floor((np.arange(n_runs) + rng.random()) * size / n_runs).astype(np.int64)
+    lens = np.diff(np.append(bounds, bounds[0] + size))
+    order = rng.permutation(n_runs)
+    lens = lens[order]
+    pos = np.repeat(bounds[order] - (np.cumsum(lens) - lens), lens) + np.arange(size)
+    return bucket[pos % size], np.repeat(np.arange(n_runs), lens)
+
+
+def _run_count(bucket: np.ndarray, nbytes: float, costs: np.ndarray, n: int, cfg: BucketConfig) -> int:
+    """How many runs of equal row count to cut a bucket into (n: one run per chunk, the contiguous layout).
+
+    Runs of ~`run_mb`, unless the bucket is large against its chunks: run-mates (rows of one run) are read
+    together again next epoch with probability ~1/2, so with a deal that ignores runs they meet again in a batch
+    more often than a uniform in-bucket shuffle pairs anything, by ~N x L / (2 C^2) of the uniform rate (bucket
+    rows N, run rows L, chunk rows C). Where that exceeds VARIETY_SLACK, runs shrink to the length at which it
+    does not, but not below m rows (batches per chunk: `deal_runs` puts a run of <= m rows into distinct
+    batches, which removes the excess altogether) nor below `min_run_mb` bytes (what it costs: smaller reads)."""
+    rows = len(bucket)
     if cfg.run_mb <= 0:
-        return 1
-    return max(1, min(rows // n, round(nbytes / n / (cfg.run_mb * 1e6))))
+        return n
+    row_bytes = max(nbytes / rows, 1.0)
+    run_rows = cfg.run_mb * 1e6 / row_bytes
+    chunk_rows = rows / n
+    ok_rows = 2 * VARIETY_SLACK * chunk_rows**2 / rows
+    if run_rows > ok_rows:
+        c = costs[bucket]
+        per_chunk = float(c.max()) * chunk_rows if cfg.padded_budget else float(c.sum()) / n
+        m = max(1, math.ceil(per_chunk / cfg.max_batch_seconds - 1e-9))
+        if cfg.max_batch_size is not None:
+            m = max(m, math.ceil(chunk_rows / cfg.max_batch_size))
+        run_rows = min(run_rows, max(ok_rows, m, cfg.min_run_mb * 1e6 / row_bytes))
+    return max(n, min(rows, math.ceil(rows / max(run_rows, 1.0))))
 
 
 def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_size: int, cfg: BucketConfig,
-                rng: np.random.Generator) -> list[np.ndarray]:
-    """Cut a bucket into n (a multiple of world_size) chunks of equal audio.
+                rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut a bucket into n (a multiple of world_size) chunks of equal audio: per chunk (rows, run id of each row),
+    runs contiguous and each in duration order (what `deal_runs` needs to keep run-mates apart).
 
     n is chosen so a chunk holds `batches_per_chunk` batches filled to ~95% of the budget (the headroom absorbs
     the spread of dealing shuffled utterances), and no more than `chunk_mb` bytes. Each chunk is k contiguous runs
-    of about `run_mb` (k x n equal-audio runs cut at a random phase, shuffled, cut into n), so which utterances
-    meet in a chunk changes every epoch while every read stays a large sequential one (k = 1 with run_mb=0).
+    (`_run_count`: ~`run_mb`, or shorter for variety; runs of equal rows cut at a random phase, shuffled, cut
+    into n of equal audio), so which utterances meet in a chunk changes every epoch while every read stays a
+    large sequential one (k = 1 with run_mb=0: n equal-audio pieces, the contiguous layout).
     """
     nbytes = float(idx.size[bucket].sum())
     n = _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
-    k = _runs_per_chunk(nbytes, len(bucket), n, cfg)
-    runs = _cut_runs(bucket, costs, n * k, rng)
-    if k > 1:  # runs in random order, then cut into n chunks of equal audio (a run may straddle two chunks)
-        seq = np.concatenate([runs[j] for j in rng.permutation(len(runs))])
+    n_runs = _run_count(bucket, nbytes, costs, n, cfg)
+    if n_runs > n:  # runs of equal rows in random order, then cut into n chunks of equal audio
+        seq, run_of = _shuffled_runs(bucket, n_runs, rng)
         cum = np.cumsum(costs[seq])
-        runs = np.split(seq, np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left"))
+        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left")
+        pieces = list(zip(np.split(seq, cuts), np.split(run_of, cuts)))
+    else:  # one run per chunk (ascending: the wrap-around piece's two byte ranges in order)
+        runs = _cut_runs(bucket, costs[bucket], n, rng)
+        pieces = [(np.sort(r), np.zeros(len(r), np.int64)) for r in runs]
     # equal-audio cuts can leave a piece empty when a few long rows dominate; rebalance by moving single rows
-    pieces = [np.sort(p) for p in runs]
-    while any(len(p) == 0 for p in pieces):
-        empty = next(i for i, p in enumerate(pieces) if len(p) == 0)
-        donor = max(range(n), key=lambda i: len(pieces[i]))
-        pieces[empty], pieces[donor] = pieces[donor][-1:], pieces[donor][:-1]
+    while any(len(p) == 0 for p, _ in pieces):
+        empty = next(i for i, (p, _) in enumerate(pieces) if len(p) == 0)
+        donor = max(range(n), key=lambda i: len(pieces[i][0]))
+        (p, r) = pieces[donor]
+        pieces[empty], pieces[donor] = (p[-1:], r[-1:]), (p[:-1], r[:-1])
     return pieces
 
 
@@ -297,6 +358,34 @@ def _deal(rows: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray
     """Shuffle rows and deal them round-robin into m batches (sizes differ by at most one)."""
     perm = rows[rng.permutation(len(rows))]
     return [perm[i::m] for i in range(m)]
+
+
+def deal_runs(rows: np.ndarray, run_of: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Deal a chunk into m batches so that run-mates (neighbours in duration order, read together) part.
+
+    Each run (contiguous in `rows`, in duration order) is cut into ceil(L / m) contiguous sub-runs of <= m rows;
+    the sub-runs are laid end to end in random order (rows inside each in random order) and position p goes to
+    batch p mod m. So the rows of a sub-run always land in distinct batches, rows of different sub-runs meet with
+    probability ~1/m (as in a uniform shuffle of the chunk), batch sizes differ by at most one, and the batches
+    come out in random order. Why: the rows that stay together across epochs are run-mates (a run is re-cut at a
+    random phase each epoch, so two rows d apart share a run again with probability ~1 - d/L); keeping the close
+    ones in distinct batches removes the run-mate excess over a uniform shuffle when runs hold <= m rows.
+    Public so any planner whose chunks are made of contiguous runs (blockplan's blocks) can deal the same way.
+    O(rows) numpy."""
+    n = len(rows)
+    if m == 1 or n == 0:
+        return [rows] + [rows[:0]] * (m - 1)
+    bounds = np.flatnonzero(np.concatenate(([True], run_of[1:] != run_of[:-1], [True])))
+    lens = np.diff(bounds)
+    if lens.max() <= m:  # the usual case where runs shrank for variety: a sub-run is a run
+        sub, n_sub = np.repeat(np.arange(len(lens)), lens), len(lens)
+    else:  # near-equal contiguous pieces of <= m rows
+        q = -(-lens // m)
+        pos = np.arange(n) - np.repeat(bounds[:-1], lens)
+        sub, n_sub = np.repeat(np.cumsum(q) - q, lens) + pos * np.repeat(q, lens) // np.repeat(lens, lens), int(q.sum())
+    key = rng.permutation(n_sub)[sub] + rng.random(n)  # sub-runs in random order, rows shuffled inside each
+    dealt = rows[np.argsort(key)]
+    return [dealt[i::m] for i in rng.permutation(m)]
 
 
 def _batches_needed(rows: np.ndarray, costs: np.ndarray, cfg: BucketConfig) -> int:
@@ -333,14 +422,14 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
         pieces = _cut_chunks(bucket, idx, costs, world_size, cfg, rng)
         for g0 in range(0, len(pieces), world_size):
             members = pieces[g0:g0 + world_size]
-            m = max(_batches_needed(p, costs, cfg) for p in members)
+            m = max(_batches_needed(p, costs, cfg) for p, _ in members)
             while True:
-                dealt = [_deal(p, m, rng) for p in members]
+                dealt = [_deal(p, m, rng) if cfg.run_mb <= 0 else deal_runs(p, r, m, rng) for p, r in members]
                 if all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for d in dealt for b in d):
                     break
                 m += 1
             rot = (g0 // world_size) % world_size  # rotate so no rank always gets a bucket's shortest chunk
-            chunks = [Chunk(rows=members[i], batches=tuple(dealt[i])) for i in range(world_size)]
+            chunks = [Chunk(rows=np.sort(members[i][0]), batches=tuple(dealt[i])) for i in range(world_size)]
             groups.append(chunks[rot:] + chunks[:rot])
     order = rng.permutation(len(groups))
     return EpochPlan(epoch=epoch, world_size=world_size, groups=[groups[i] for i in order], too_long=too_long)
