@@ -31,7 +31,7 @@ import numpy as np
 
 from typing import Iterator
 
-from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, estimate_bins
+from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, deal_runs, estimate_bins
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,22 +216,18 @@ def chunk_rows(blocks: Blocks, ids: np.ndarray) -> np.ndarray:
 
 
 def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float, rng: np.random.Generator,
-               cap: int | None = None) -> list[np.ndarray]:
-    """Rows (ascending, with their costs) dealt into m batches, each run of m neighbouring rows to m distinct
-    batches at random (a stratified deal); when a batch would exceed the budget, rows in random order each go to
-    the least-loaded batch instead (list scheduling: every batch stays under mean + longest row,
-    which the group's M_g keeps within the budget; a Python loop, so only as a fallback). `cap` (max_batch_size)
-    holds too: the group's M_g is at least rows / cap, round-robin sizes differ by at most one, and the fallback
-    passes over full batches."""
+               cap: int | None = None, run_of: np.ndarray | None = None) -> list[np.ndarray]:
+    """Rows (ascending, with their costs) dealt into m batches by plan.deal_runs: the rows of one block
+    (`run_of`, else every m neighbouring rows) land in distinct batches, other pairs meet with probability ~1/m,
+    sizes differ by at most one (so `cap`, max_batch_size, holds: the group's M_g is at least rows / cap). When a
+    batch would exceed the budget, rows in random order each go to the least-loaded batch instead (list
+    scheduling: every batch stays under mean + longest row, which the group's M_g keeps within the budget; a
+    Python loop, so only as a fallback; it passes over full batches)."""
     if m == 1:
         return [rows[rng.permutation(len(rows))]]
-    # stratified: every run of m neighbouring rows (ascending: read together, similar durations) goes to m distinct
-    # batches in random order, so neighbours never share a batch and batch costs come out nearly equal
-    k = -(-len(rows) // m)
-    ids = rng.permuted(np.tile(np.arange(m), (k, 1)), axis=1).ravel()[: len(rows)]
-    if np.bincount(ids, weights=cost, minlength=m).max() <= budget + 1e-9:
-        order = np.argsort(ids, kind="stable")
-        return np.split(rows[order], np.cumsum(np.bincount(ids, minlength=m))[:-1])
+    dealt = deal_runs(rows, np.arange(len(rows)) // m if run_of is None else run_of, m, rng)
+    if max((float(cost[np.searchsorted(rows, b)].sum()) for b in dealt), default=0.0) <= budget + 1e-9:
+        return dealt
     p = rng.permutation(len(rows))
     rows, cost = rows[p], cost[p]
     heap = [(0.0, i) for i in range(m)]
@@ -251,10 +247,13 @@ def group_batches(plan: BlockPlan, blocks: Blocks, cost_of: Callable[[np.ndarray
     (its own random stream), so a resume deals only the groups it still needs. `cost_of(rows)` gives budget costs
     of index rows: a rank only ever loads its own."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, plan.epoch, 4243, rank, g])))
-    rows = chunk_rows(blocks, plan.chunk(g, rank))
+    ids = plan.chunk(g, rank)
+    rows = chunk_rows(blocks, ids)
+    run_of = np.repeat(np.arange(len(ids)), blocks.rows[ids])  # block-mates part (plan.deal_runs)
     if exclude_rows is not None and len(exclude_rows):
-        rows = rows[~np.isin(rows, exclude_rows, assume_unique=True)]
-    return rows, deal_chunk(rows, cost_of(rows), int(plan.group_m[g]), plan.budget, rng, plan.cap)
+        keep = ~np.isin(rows, exclude_rows, assume_unique=True)
+        rows, run_of = rows[keep], run_of[keep]
+    return rows, deal_chunk(rows, cost_of(rows), int(plan.group_m[g]), plan.budget, rng, plan.cap, run_of)
 
 
 def rank_batches(plan: BlockPlan, blocks: Blocks, cost_of, rank: int, seed: int) -> list[np.ndarray]:
