@@ -122,9 +122,37 @@ class ShardWriter:
         self.close()
 
 
+_USTAR = b"ustar\x0000"
+_OCTAL_FIELDS = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (329, 337), (337, 345))
+"""mode, uid, gid, size, mtime, devmajor, devminor: the numeric fields tarfile parses (refusing malformed ones)."""
+
+
+def _fast_header(block: bytes) -> tuple[str, int] | None:
+    """(name, size) of a plain POSIX ustar regular-file header with a valid unsigned checksum and no name prefix,
+    the only kind the writer makes; None for anything else, which parse_header then hands to tarfile. Accepts
+    nothing tarfile would refuse and gives the same name and size; ~2 us instead of ~17 us (a row has two)."""
+    if block[257:265] != _USTAR or block[156:157] != b"0" or any(block[157:257]) or any(block[345:500]):
+        return None
+    try:
+        nums = [int(block[a:b].split(b"\0", 1)[0].strip() or b"0", 8) for a, b in _OCTAL_FIELDS]
+        chk = int(block[148:156].split(b"\0", 1)[0].strip() or b"0", 8)
+        name = block[:100].split(b"\0", 1)[0].decode("utf-8")
+        for a, b in ((265, 297), (297, 329)):  # uname, gname: tarfile decodes them too
+            block[a:b].split(b"\0", 1)[0].decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if block[124] in (0o200, 0o377) or chk != sum(block) - sum(block[148:156]) + 256:
+        return None
+    return name, nums[3]
+
+
 def parse_header(block: bytes) -> tuple[str, int]:
     """(name, size) of one 512-byte header of a regular member; raises ValueError when it is not one: short or
     empty block, checksum mismatch (tarfile verifies it), undecodable name, or a link/directory/special type."""
+    if len(block) == BLOCK:
+        fast = _fast_header(block)
+        if fast is not None:
+            return fast
     if len(block) != BLOCK:
         raise ValueError(f"header block has {len(block)} bytes, not {BLOCK}")
     try:
