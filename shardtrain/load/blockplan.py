@@ -3,16 +3,19 @@ table, then loads and deals only its own rows. The Loader uses it above StreamCo
 the index memory-mapped once per node, load/mapped.py); benchmarks/bench_plan_scale.py --simulate runs it for
 1k..100M rows and 1..1,024 ranks.
 
-    index (duration-sorted) -> blocks: runs of ~`block_s` seconds of audio (a block never mixes over-budget rows
-         with others); per block: first row, rows, cost, max cost, bytes       (~30 B per block; 100M rows = ~100 MB
-         at 600 s blocks; computed once per dataset, e.g. at pack time)
+    index (duration-sorted) -> blocks: runs of neighbouring rows ending at `block_s` seconds or `block_rows`
+         rows, whichever comes first (block_shape: 30 s / 4 rows while the table allows, ~790 s / ~170 rows at 100M
+         rows); over-budget rows in blocks of their own; per block: first row, rows, cost, max cost, bytes (~30 B
+         a block; made once per node by a streaming make_blocks and cached beside the memory map)
       -> plan_blocks (pure, identical on every rank; O(blocks), flat arrays, no object per chunk):
            buckets over blocks (equal audio, at least one batch per rank) -> per bucket n chunks (a multiple of
-           world_size, <= batches_per_chunk batches each) -> blocks in random order, each to the lightest chunk
-           -> groups of world_size chunks; M_g = the most batches any member needs (cost / (budget - its longest),
-           so any assignment of its rows fits) -> group order shuffled
-      -> rank r: rows of its chunks only (rank_batches) -> deal_chunk: random order, round-robin, or each row to
-         the least-loaded batch when that would exceed the budget (list scheduling: mean + longest <= budget)
+           world_size, <= batches_per_chunk batches each): blocks in random order cut into n runs of equal cost
+           -> per chunk the batches it needs (cost / (budget - its longest), so any assignment of its rows fits)
+           -> chunks of similar need grouped world_size at a time, ranks shuffled inside a group; M_g = the
+           group's largest need -> group order shuffled
+      -> rank r, one group at a time (group_batches): rows of its chunk only -> deal_chunk: plan.deal_runs
+         (the rows of a block in distinct batches), or each row to the least-loaded batch when a batch would
+         exceed the budget (list scheduling: mean + longest <= budget)
 
 Properties, the same as plan_epoch's: exactly once (each block in one chunk), equal steps (M_g per group),
 budget (list-scheduling bound), lock-step duration bands (a group is one bucket), batch composition new every
@@ -25,11 +28,9 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
-
-from typing import Iterator
 
 from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, deal_runs, estimate_bins
 
@@ -57,9 +58,9 @@ MIN_BLOCK_S = 30.0
 def block_shape(total_audio_s: float, rows: int, batches_per_chunk: int,
                 given_s: float | None = None) -> tuple[float, int]:
     """(seconds, rows) a block holds at most: it ends at whichever limit comes first. The smallest the table
-    allows: MIN_BLOCK_S and `batches_per_chunk` rows while the corpus is small (block-mates are then fewer than
-    a chunk's batches and the stratified deal never puts two in one batch: variety of a uniform in-bucket
-    shuffle), up to ~790 s and ~170 rows at 100M rows of ~9.5 s. `given_s` overrides the seconds."""
+    allows: MIN_BLOCK_S and `batches_per_chunk` rows while the corpus is small (block-mates are then no more than
+    a chunk's batches and plan.deal_runs never puts two in one batch: variety of a uniform in-bucket shuffle),
+    up to ~790 s and ~170 rows at 100M rows of ~9.5 s. `given_s` overrides the seconds."""
     return (given_s if given_s else max(MIN_BLOCK_S, total_audio_s / MAX_BLOCKS),
             max(batches_per_chunk, math.ceil(2 * rows / MAX_BLOCKS)))
 
@@ -78,7 +79,7 @@ def make_blocks(duration_s, size, block_s: float, budget: float,
     n = len(duration_s)
     cut, base, found = 0, 0.0, [np.zeros(1, np.int64)]
     for a in range(0, n, WINDOW_ROWS):  # block starts where the running audio passes a multiple of block_s
-        c = window_cost(duration_s, cost_fn, a, min(n, a + WINDOW_ROWS))
+        c = _window_cost(duration_s, cost_fn, a, min(n, a + WINDOW_ROWS))
         c = c[: int(np.searchsorted(c, budget, side="right"))]
         if len(c) == 0:
             break
@@ -97,7 +98,7 @@ def make_blocks(duration_s, size, block_s: float, budget: float,
     while b < len(starts):  # per-block sums over windows that hold whole blocks (at least one)
         e = max(b + 1, int(np.searchsorted(ends, starts[b] + WINDOW_ROWS, side="right")))
         lo, hi = int(starts[b]), int(ends[e - 1])
-        c, rel = window_cost(duration_s, cost_fn, lo, hi), starts[b:e] - lo
+        c, rel = _window_cost(duration_s, cost_fn, lo, hi), starts[b:e] - lo
         cost[b:e] = np.add.reduceat(c, rel)
         max_cost[b:e] = np.maximum.reduceat(c, rel)
         nbytes[b:e] = np.add.reduceat(np.asarray(size[lo:hi], np.int64), rel)
@@ -106,7 +107,7 @@ def make_blocks(duration_s, size, block_s: float, budget: float,
                   too_long=starts >= cut)
 
 
-def window_cost(duration_s, cost_fn: Callable[[np.ndarray], np.ndarray], lo: int, hi: int) -> np.ndarray:
+def _window_cost(duration_s, cost_fn: Callable[[np.ndarray], np.ndarray], lo: int, hi: int) -> np.ndarray:
     return cost_fn(np.asarray(duration_s[lo:hi], np.float64))
 
 

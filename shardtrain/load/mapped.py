@@ -3,18 +3,20 @@
     manifest.json -> dataset id (sha1 of the manifest: shard names, sizes, checksums)
     index.parquet, one row group at a time (bounded memory; each checked with format.validate.check_index,
     plus what only the whole index shows: rows per shard, (shard, offset) order, duration order)
-      -> ROOT/<id>/<column>.npy for PLAN_COLUMNS, key.{offsets,bytes}.npy, text.{offsets,bytes}.npy, meta.json
+      -> ROOT/<id>/<column>.npy for PLAN_COLUMNS, key.offsets.npy + key.bytes (raw UTF-8), the same for text,
+         meta.json
       -> np.load(mmap_mode="r") -> PlanIndex over memory maps: every rank and worker on the node shares the pages
     ROOT/<id>/blocks-<params>.npz: the block table (load/blockplan.make_blocks) for one batch budget
 
 Why: plan_epoch needs every row in every rank, ~70 B a row plus Arrow strings: 100M rows are ~7 GB in each of
-8 ranks. With the block planner a rank reads the block table (~30 B per ~600 s of audio) and touches only the
-pages of its own rows (1/world_size of them per epoch), so per-node memory is the block table per rank plus the
-pages in use, whatever the corpus size.
+8 ranks. With the block planner a rank reads the block table (~30 B a block, at most ~1.8M blocks) and touches
+only the pages of its own rows (1/world_size of them per epoch), so per-node memory is the block table per rank
+plus the pages in use, whatever the corpus size.
 
 Cost: the first rank on a node builds the copy: one sequential read of the index's numeric columns, keys and
-(with check_transcripts) transcripts, written to local disk at ~70 B a row plus the strings (about 12 s and 1 GB
-per 10M rows, measured by benchmarks/bench_plan_scale.py --mapped). The others wait on a file lock and open it;
+(with check_transcripts) transcripts, written once to local disk (~200 B a row with LibriSpeech-length
+transcripts: 2.3 s and 200 MB per 1M rows, 10-17 s and 2 GB per 10M, benchmarks/bench_block_loader.py). The
+others wait on a file lock and open it;
 later runs open it at once. It is built in a temporary folder and renamed into place, so a crash never leaves a
 half-written copy that looks complete.
 """
@@ -43,14 +45,14 @@ from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex, cost_s
 
 log = logging.getLogger(__name__)
 
-MAPPED_VERSION = 1
+MAPPED_VERSION = 2
 """Bumped when the folder's layout changes; an older copy is rebuilt, not misread."""
 STRINGS = ("key", "text")
 
 
 @dataclass(frozen=True, slots=True)
 class MappedStrings:
-    """A string column as two memory maps: byte offsets (n + 1, int64) and UTF-8 bytes. Indexing gives a str."""
+    """A string column as two memory maps: byte offsets (n + 1, int64) and the UTF-8 bytes. Indexing gives a str."""
 
     offsets: np.ndarray
     data: np.ndarray
@@ -107,21 +109,26 @@ def _read_meta(folder: Path) -> dict | None:
 def _open(folder: Path, meta: dict) -> PlanIndex:
     cols: dict[str, Any] = {c: np.load(folder / f"{c}.npy", mmap_mode="r") for c in PLAN_COLUMNS}
     for c in STRINGS:
-        cols[c] = (MappedStrings(np.load(folder / f"{c}.offsets.npy", mmap_mode="r"),
-                                 np.load(folder / f"{c}.bytes.npy", mmap_mode="r")) if c in meta["columns"] else None)
+        cols[c] = (MappedStrings(np.load(folder / f"{c}.offsets.npy", mmap_mode="r"), _map_bytes(folder / f"{c}.bytes"))
+                   if c in meta["columns"] else None)
     return PlanIndex(**cols)
 
 
+def _map_bytes(path: Path) -> np.ndarray:
+    """A raw file as a read-only uint8 memory map (mmap refuses an empty file: then an empty array)."""
+    return np.memmap(path, np.uint8, "r") if path.stat().st_size else np.zeros(0, np.uint8)
+
+
 class _Writer:
-    """Column files filled one row group at a time; strings go to a bytes file, then into an .npy."""
+    """Column files filled one row group at a time; string bytes appended to a raw file, offsets to an .npy."""
 
     def __init__(self, folder: Path, rows: int, schema, strings: tuple[str, ...]):
-        self.folder, self.rows, self.at = folder, rows, 0
+        self.at = 0
         dtype = lambda c: np.dtype(schema.field(c).type.to_pandas_dtype())  # noqa: E731
         self.cols = {c: np.lib.format.open_memmap(folder / f"{c}.npy", "w+", dtype(c), (rows,)) for c in PLAN_COLUMNS}
         self.offsets = {c: np.lib.format.open_memmap(folder / f"{c}.offsets.npy", "w+", np.int64, (rows + 1,))
                         for c in strings}
-        self.raw = {c: open(folder / f"{c}.raw", "wb") for c in strings}
+        self.raw = {c: open(folder / f"{c}.bytes", "wb") for c in strings}
         self.nbytes = dict.fromkeys(strings, 0)
 
     def add(self, table) -> None:
@@ -139,17 +146,8 @@ class _Writer:
     def close(self) -> None:
         for out in (*self.cols.values(), *self.offsets.values()):
             out.flush()
-        for c, f in self.raw.items():  # an .npy header in front of the bytes, so np.load can map them
+        for f in self.raw.values():
             f.close()
-            raw = self.folder / f"{c}.raw"
-            out = np.lib.format.open_memmap(self.folder / f"{c}.bytes.npy", "w+", np.uint8, (self.nbytes[c],))
-            with open(raw, "rb") as src:
-                pos = 0
-                while piece := src.read(64 << 20):
-                    out[pos:pos + len(piece)] = np.frombuffer(piece, np.uint8)
-                    pos += len(piece)
-            out.flush()
-            raw.unlink()
 
 
 def _build(ds: Dataset, folder: Path, *, text: bool) -> None:
