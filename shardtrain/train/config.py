@@ -86,6 +86,9 @@ class TrainConfig:
     """How a resume on another world size answers the changed global batch (train/elastic.py): "accumulate" keeps
     world size x grad_accum_steps near the checkpoint's and scales lr by what remains, "scale_lr" scales lr
     linearly with the global batch, "none" changes neither."""
+    ledger: bool = True
+    """Record the index rows each rank trains on, written with every checkpoint to out_dir/ledger/ (~5 MB per
+    million utterances; `shardtrain ledger RUN` reports what the run consumed; train/ledger.py)."""
     log_keys: bool = False
     """Write the utterance keys of every micro-batch to out_dir/keys/rank{R}.jsonl (audit; train/keylog.py)."""
     qat: bool = False

@@ -49,6 +49,7 @@ from shardtrain import faults, storage
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train import elastic
 from shardtrain.train.keylog import KeyLog
+from shardtrain.train.ledger import LedgerWriter, attempt_id
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
 from shardtrain.train.evaluate import evaluate, metrics_row
 from shardtrain.train.metrics import MetricsLogger
@@ -165,6 +166,8 @@ class _Run:
     loader_state: dict | None = None
     resized: elastic.Decision | None = None
     """Set when the checkpoint came from another world size (elastic.py)."""
+    ledger: LedgerWriter | None = None
+    """What this rank trained on since the last checkpoint (train/ledger.py); flushed with each checkpoint."""
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
@@ -260,6 +263,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     keylog = KeyLog(out, world.rank, run.step) if tc.log_keys else None
     loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
                           storage_options=storage_options)
+    run.ledger = _start_ledger(tc, run, out, world, comm, storage_options) if tc.ledger else None
     batches = iter(loader)
     augmenters = Augmenters(cfg, device)
     bar = tqdm(total=tc.max_steps, initial=run.step, dynamic_ncols=True,
@@ -278,6 +282,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             meter.wait_s += time.perf_counter() - t0  # time spent fetching is data wait
             if keylog is not None:
                 keylog.write(run.step + 1, micro)
+            if run.ledger is not None:
+                run.ledger.add(run.step + 1, micro)
             loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
             if global_tokens <= 0:  # no target token on any rank: no step, no schedule, nothing to log or save
                 run.loader_state = micro[-1][1]
@@ -452,6 +458,8 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
     main_state = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
                   "scaler": run.scaler.state_dict(), "step": run.step, "best_val_loss": run.best_val,
                   "tokenizer": run.tok.to_json()} if world.is_main else None
+    if run.ledger is not None:  # before the checkpoint commits: a file without its checkpoint is cut on resume
+        run.ledger.flush(run.step)
     path = ckpt.save_checkpoint(
         ckpt_dir, step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
         rank_state=rank_state, main_state=main_state,
@@ -466,6 +474,19 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
 
 # run files (config.json, vocab.json, metrics.jsonl) mirrored to an object-store --out at each checkpoint
 _RUN_FILES = ("config.json", "vocab.json", "metrics.jsonl")
+
+
+def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
+                  storage_options: dict | None) -> LedgerWriter:
+    """This rank's ledger for the attempt starting at run.step; the attempt is named by rank 0's clock."""
+    t_ms = int(comm.sum([time.time() * 1000.0 if world.is_main else 0.0])[0])
+    sources = data_sources(tc)
+    datasets = [{"url": u, "weight": w} for u, w in ([(sources, 1.0)] if isinstance(sources, str) else sources)]
+    ledger = LedgerWriter(out, rank=world.rank, attempt=attempt_id(run.step, t_ms),
+                          remote=tc.out_dir if ckpt.is_remote(tc.out_dir) else None, storage_options=storage_options)
+    if world.is_main:
+        ledger.start(start_step=run.step, world_size=world.world_size, datasets=datasets)
+    return ledger
 
 
 def _run_dirs(out_dir: str) -> tuple[Path, Path | str]:
