@@ -226,9 +226,13 @@ class Loader:
         if state.get("dataset") != self.fingerprint:
             raise StreamError("loader state belongs to a different dataset (index fingerprint differs); "
                               "resume with the dataset the run started on")
+        at_boundary = int(state["step"]) == 0 and not state.get("chain")
         if state.get("bucket") != _cfg_fingerprint(self.cfg.bucket):
-            raise StreamError("loader state was saved with a different stream.bucket config; "
-                              f"saved {state.get('bucket')}, now {_cfg_fingerprint(self.cfg.bucket)}")
+            if not at_boundary:  # mid-epoch the rest of the epoch is the old plan's: only it can continue
+                raise StreamError("loader state was saved mid-epoch with a different stream.bucket config (resume "
+                                  "with the same budgets, or change them at an epoch boundary); "
+                                  f"saved {state.get('bucket')}, now {_cfg_fingerprint(self.cfg.bucket)}")
+            log.info("resuming at the start of epoch %s with a new stream.bucket config", state.get("epoch"))
         if state.get("planner", "rows") != self.planner:
             raise StreamError(f"loader state was planned by {state.get('planner', 'rows')}, this run plans by "
                               f"{self.planner}; set stream.planner={state.get('planner', 'rows')} to resume it")
