@@ -24,30 +24,28 @@ def _add_ledger(sub) -> None:
     p.set_defaults(func=_cmd_ledger)
 
 
-def _facts(cfg, datasets: list[dict], storage_options: dict | None):
-    """Per dataset of the run: durations, eligible rows (under the batch budget) and keys, from its index."""
+def _facts(datasets: list[tuple[str, float]], storage_options: dict | None):
+    """Per dataset of the run: durations and keys, from its index (two columns)."""
     import numpy as np
 
     from shardtrain.format.manifest import open_dataset
-    from shardtrain.load.plan import cost_s
     from shardtrain.train.ledger_report import DatasetFacts
 
     out = []
-    for d in datasets:
-        ds = open_dataset(d["url"], storage_options)
-        table = ds.read_index(columns=["key", "duration_s"])
-        dur = table.column("duration_s").to_numpy().astype(np.float64)
-        eligible = cost_s(dur, cfg.stream.bucket) <= cfg.stream.bucket.max_batch_seconds
-        out.append(DatasetFacts(name=d["url"], weight=float(d.get("weight", 1.0)), durations_s=dur,
-                                eligible=eligible, keys=np.asarray(table.column("key").to_pylist(), dtype=object)))
+    for url, weight in datasets:
+        table = open_dataset(url, storage_options).read_index(columns=["key", "duration_s"])
+        out.append(DatasetFacts(name=url, weight=float(weight),
+                                durations_s=table.column("duration_s").to_numpy().astype(np.float64),
+                                keys=np.asarray(table.column("key").to_pylist(), dtype=object)))
     return out
 
 
 def _cmd_ledger(args) -> int:
     from shardtrain import storage
-    from shardtrain.train.config import RunConfig
+    from shardtrain.load.loader import make_planner
+    from shardtrain.train.config import RunConfig, data_sources
     from shardtrain.train.ledger import read_history
-    from shardtrain.train.ledger_report import account, where_seen
+    from shardtrain.train.ledger_report import account, counts_from_selection, where_seen
     from shardtrain.train.overrides import from_dict
 
     so = _parse_storage_options(args.storage_option) or None
@@ -56,9 +54,14 @@ def _cmd_ledger(args) -> int:
         print(f"{args.run}: the ledger holds no attempt yet (no step was checkpointed)", file=sys.stderr)
         return 1
     cfg = from_dict(RunConfig, json.loads(storage.read_bytes(storage.join(args.run, "config.json"), so)))
-    datasets = history.attempts[-1].datasets
-    facts = _facts(cfg, datasets, so)
-    epochs = account(history, facts, seed=cfg.train.seed, epochs=args.epoch)
+    sources = data_sources(cfg.train)
+    datasets = [(sources, 1.0)] if isinstance(sources, str) else list(sources)
+    facts = _facts(datasets, so)
+    # the run's own planner says what each epoch holds (metadata only; a mixture's repeats are planned ones)
+    planner = make_planner(sources, seed=cfg.train.seed, cfg=cfg.stream, storage_options=so)
+    sizes = [len(f.durations_s) for f in facts]
+    epochs = account(history, facts, lambda e: counts_from_selection(*planner.selection(e), sizes),
+                     epochs=args.epoch)
     seen = {}
     for key in args.key:
         hits = []

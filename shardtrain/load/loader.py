@@ -363,6 +363,17 @@ class Loader:
                 f"{last['reason']}; check the dataset with `shardtrain inspect --verify`, or raise the share")
 
 
+def make_planner(url: str | list | tuple, *, seed: int, cfg: StreamConfig, storage_options: dict | None = None,
+                 epoch_hours: float | None = None) -> Planner:
+    """The planner of one dataset URL, or of a list of datasets (each a URL or (URL, weight)): a weighted mixture
+    (load/mixplan.py). Metadata only: what `build_loader`, `shardtrain plan` and the ledger all plan with."""
+    if isinstance(url, (list, tuple)):
+        from shardtrain.load.mixplan import MixturePlanner
+
+        return MixturePlanner(url, cfg, seed, storage_options, epoch_hours)
+    return open_planner(url, cfg, seed, storage_options)
+
+
 def build_loader(url: str | list | tuple, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
                  storage_options: dict | None = None, epoch_hours: float | None = None) -> Loader:
     """The loader for one rank. Reads manifest.json and the index (or its node-shared memory map) once; no audio.
@@ -370,12 +381,6 @@ def build_loader(url: str | list | tuple, *, world: World, seed: int, cfg: Strea
     `url` may be a list of datasets, each a URL or (URL, weight): a weighted mixture (load/mixplan.py): per epoch
     each dataset contributes weight / sum(weights) of the audio (of all datasets together, or `epoch_hours`),
     every sample of a dataset once before any repeats."""
-    planner: Planner
-    if isinstance(url, (list, tuple)):
-        from shardtrain.load.mixplan import MixturePlanner
-
-        planner = MixturePlanner(url, cfg, seed, storage_options, epoch_hours)
-    else:
-        planner = open_planner(url, cfg, seed, storage_options)
+    planner = make_planner(url, seed=seed, cfg=cfg, storage_options=storage_options, epoch_hours=epoch_hours)
     rows = sum(s.samples for s in planner.data.shards)
     return Loader(planner, world=world, seed=seed, cfg=cfg, state=state, rows=rows)

@@ -115,6 +115,15 @@ class MixturePlanner:
         return blocks_epoch(vb.blocks, vb.cost_of, self.seed, epoch, world_size, self.bucket, chain,
                             localize=vb.localize)
 
+    def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset number int16, dataset row int64) of every row `epoch` holds, a repeated row once per time:
+        what an epoch should train (before the equal-steps tail), for `shardtrain plan` and the ledger."""
+        if self.name == "rows":
+            mix = self._cached(epoch, self._select_rows)[1]
+            return mix.source.astype(np.int16), mix.row.astype(np.int64)
+        vb = self._cached(epoch, self._select_blocks)
+        return vb.origin(np.arange(int(vb.blocks.rows.sum()), dtype=np.int64))
+
     # -- rows
     def _select_rows(self, epoch: int) -> tuple[PlanIndex, MixEpoch]:
         durs = [ix.duration_s[e] for ix, e in zip(self.indexes, self.eligible)]

@@ -106,6 +106,10 @@ class Planner(Protocol):
 
     def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView: ...
 
+    def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset number, dataset row) of every row the epoch holds (a repeated row once per time)."""
+        ...
+
 
 # ---------------------------------------------------------------------------------------------- rows
 @dataclass(frozen=True, slots=True)
@@ -164,6 +168,10 @@ class RowsPlanner:
 
     def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> RowsEpoch:
         return rows_epoch(self.idx, self.seed, epoch, world_size, self.bucket, chain)
+
+    def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.flatnonzero(cost_s(self.idx.duration_s, self.bucket) <= self.bucket.max_batch_seconds)
+        return np.zeros(len(rows), np.int16), rows.astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -232,6 +240,12 @@ class BlocksPlanner:
     def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> BlocksEpoch:
         return blocks_epoch(self.blocks, self.cost_of, self.seed, epoch, world_size, self.bucket, chain,
                             index=self.idx)
+
+    def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        keep = ~self.blocks.too_long
+        starts, counts = self.blocks.start[keep].astype(np.int64), self.blocks.rows[keep].astype(np.int64)
+        rows = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
+        return np.zeros(len(rows), np.int16), rows
 
 
 # ---------------------------------------------------------------------------------------------- choosing

@@ -1,8 +1,8 @@
 """Accounting of a run's ledger: per epoch, what each dataset's rows were planned to be and what was trained.
 
     History (train/ledger.py) + per dataset: durations, eligible rows (not over the batch budget), weight
-      -> expected(epoch): how often each row belongs to the epoch (1 for every eligible row of one dataset; a
-         mixture's rows from mixture.select_epoch, so a small heavily weighted dataset may hold a row twice)
+      -> expected(epoch): how often each row belongs to the epoch, from the planner's own selection (1 for every
+         row of one dataset under the budget; a small heavily weighted dataset of a mixture may hold a row twice)
       -> EpochAccount: once / never / more than once per dataset, audio share against the weight share,
          and the rows trained MORE often than planned (exactly-once broken: a bug or a manual edit) with keys
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardtrain.load.mixture import select_epoch
+from typing import Callable
+
 from shardtrain.train.ledger import History
 
 
@@ -25,24 +26,14 @@ class DatasetFacts:
     weight: float
     durations_s: np.ndarray
     """float [rows] of the dataset's index."""
-    eligible: np.ndarray
-    """bool [rows]: not left out of every epoch as longer than the batch budget."""
     keys: np.ndarray | None = None
     """str [rows] (for naming rows); None prints row numbers."""
 
 
-def expected_counts(facts: list[DatasetFacts], *, seed: int, epoch: int,
-                    epoch_s: float | None = None) -> list[np.ndarray]:
-    """int [rows] per dataset: how many times the epoch's plan holds each row (before its small equal-steps tail)."""
-    if len(facts) == 1:
-        return [facts[0].eligible.astype(np.int64)]
-    elig = [np.flatnonzero(f.eligible) for f in facts]
-    mix = select_epoch([f.durations_s[e] for f, e in zip(facts, elig)], [f.weight for f in facts], seed=seed,
-                       epoch=epoch, epoch_s=epoch_s)
-    out = []
-    for i, (f, e) in enumerate(zip(facts, elig)):
-        out.append(np.bincount(e[mix.row[mix.source == i]], minlength=len(f.durations_s)).astype(np.int64))
-    return out
+def counts_from_selection(source: np.ndarray, row: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """int [rows] per dataset: how often an epoch's selection (Planner.selection: dataset number and row of
+    every row it holds) holds each row."""
+    return [np.bincount(row[source == i], minlength=n).astype(np.int64) for i, n in enumerate(sizes)]
 
 
 @dataclass
@@ -77,7 +68,7 @@ class EpochAccount:
         return any(d.over_plan_count for d in self.datasets)
 
 
-def account(history: History, facts: list[DatasetFacts], *, seed: int, epoch_s: float | None = None,
+def account(history: History, facts: list[DatasetFacts], expected: Callable[[int], list[np.ndarray]],
             epochs: list[int] | None = None) -> list[EpochAccount]:
     """One EpochAccount per epoch in the history (or `epochs`); the last epoch is incomplete unless every row
     planned for it was trained."""
@@ -88,7 +79,7 @@ def account(history: History, facts: list[DatasetFacts], *, seed: int, epoch_s: 
     for e in (epochs if epochs is not None else all_epochs):
         sel = per_row_epoch == e
         rows, src = history.rows[sel], history.sources[sel]
-        expect = expected_counts(facts, seed=seed, epoch=e, epoch_s=epoch_s)
+        expect = expected(e)
         acc = EpochAccount(epoch=e, complete=any(x > e for x in all_epochs),
                            steps=len(set(history.step[history.epoch == e].tolist())))
         total_s = 0.0
