@@ -204,6 +204,9 @@ def markdown_table(rows: list[dict], columns: Sequence[tuple[str, str]]) -> str:
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """Results JSON (sorted keys); a dict gets the day it was measured (benchmarks/README.md shows it)."""
+    if isinstance(obj, dict) and "date" not in obj:
+        obj = {**obj, "date": time.strftime("%Y-%m-%d")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
