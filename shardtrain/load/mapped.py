@@ -53,7 +53,7 @@ from shardtrain.format.validate import DatasetError, check_index
 from shardtrain.load import mapfiles
 from shardtrain.load.blockplan import Blocks, make_blocks
 from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex, cost_s
-from shardtrain.storage.private import PrivateDirError, private_dir, remove_own_tree, space_error, user_dir
+from shardtrain.storage.private import NoSpace, PrivateDirError, private_dir, remove_own_tree, space_error, user_dir
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +223,8 @@ def _build(ds: Dataset, folder: Path, *, text: bool, source: dict) -> None:
         os.replace(tmp, folder)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in mapfiles.SPACE_ERRORS and not isinstance(e, PrivateDirError):
-            raise space_error(folder.parent, need, "the memory-mapped index", SETTING) from e
+        if e.errno in mapfiles.SPACE_ERRORS and not isinstance(e, (NoSpace, PrivateDirError)):
+            raise space_error(folder.parent, need, "the memory-mapped index", SETTING, more=True) from e
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -296,6 +296,7 @@ def mapped_blocks(mi: MappedIndex, cfg: BucketConfig, block_s: float, block_rows
                 if e.errno in mapfiles.SPACE_ERRORS:
                     raise space_error(mi.folder, 64 * len(b), "the block table", SETTING) from e
                 raise
+    assert b is not None
     return b
 
 

@@ -111,12 +111,17 @@ def remove_own_tree(path: str | os.PathLike) -> None:
         log.warning("not deleting %s: not a folder of yours", path)
 
 
-def space_error(folder: str | os.PathLike, need: int, what: str, setting: str = "") -> OSError:
-    """The one-line error for a folder without room: how much is needed, how much is free, what to change."""
+class NoSpace(OSError):
+    """A folder lacks the room a build needs; the message names the folder, the space needed and the space free."""
+
+
+def space_error(folder: str | os.PathLike, need: int, what: str, setting: str = "", *, more: bool = False) -> NoSpace:
+    """The one-line error for a folder without room: how much is needed (`more`: the estimate proved short, so
+    more than that), how much is free, what to change."""
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         free = 0
     alt = f", or set {setting} to a bigger disk" if setting else ""
-    return OSError(28, f"{what} needs ~{need / 1e6:.1f} MB in {folder}, which has {free / 1e6:.1f} MB free: free "
+    return NoSpace(28, f"{what} needs {'more than' if more else 'about'} {need / 1e6:.1f} MB in {folder}, which has {free / 1e6:.1f} MB free: free "
                        f"space there{alt}")
