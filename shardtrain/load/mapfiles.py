@@ -76,6 +76,14 @@ class ColumnFiles:
             self.nbytes[c] += int(offs[-1] - offs[0])
         self.at += n
 
+    def abort(self) -> None:
+        """Close every file without flushing what a full disk refused (the folder is deleted next)."""
+        for f in (*self.files.values(), *self.offsets.values(), *self.raw.values()):
+            try:
+                f.close()
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Flush and close every file (ENOSPC surfaces here at the latest)."""
         errors = []

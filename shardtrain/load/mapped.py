@@ -196,7 +196,7 @@ def _build(ds: Dataset, folder: Path, *, text: bool, source: dict) -> None:
         raise DatasetError(f"{ds.url}: the dataset has no samples to plan")
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     log.info("building a memory-mapped index of %s (%d rows) in %s", ds.url, rows, folder)
-    need = 0
+    need, w = 0, None
     try:
         with storage.open_ranged(ds.index_url, ds.storage_options, direct_http=ds.direct_http) as f:
             pf = pq.ParquetFile(f)
@@ -222,11 +222,15 @@ def _build(ds: Dataset, folder: Path, *, text: bool, source: dict) -> None:
         (tmp / "meta.json").write_text(json.dumps(meta))
         os.replace(tmp, folder)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if w is not None:
+            w.abort()
+        shutil.rmtree(tmp, ignore_errors=True)  # space is free again once the files are closed and gone
         if e.errno in mapfiles.SPACE_ERRORS and not isinstance(e, (NoSpace, PrivateDirError)):
             raise space_error(folder.parent, need, "the memory-mapped index", SETTING, more=True) from e
         raise
     except BaseException:
+        if w is not None:
+            w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
