@@ -241,3 +241,55 @@ def test_s3_checkpoint_reads_only_the_rank_files_its_meta_names(s3, s3_bucket):
         state = ckpt.load_checkpoint(latest, rank=r, world_size=4, storage_options=so)["rank"]
         assert json.loads(state["loader_state"]) == {"tag": "committed", "rank": r if r < 2 else 0}
         assert (state["rng_cpu"] is None) == (r >= 2)
+
+
+def _thread_race(url: str, so: dict | None, plant, rounds: int, n: int = 6) -> list[int]:
+    """`rounds` times: plant a stale lock (a dead process of this host), let `n` threads released by one barrier
+    take it over; returns the number of winners per round (each winner holds the lock until all have tried)."""
+    import socket
+
+    from shardtrain.storage.lock import LockHeld, acquire_lock
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    winners = []
+    for i in range(rounds):
+        plant(json.dumps({"host": socket.gethostname(), "pid": p.pid, "purpose": "pack", "token": f"{i:032x}",
+                          "time_utc": "2026-01-01T00:00:00Z"}).encode())
+        start, done = threading.Barrier(n), threading.Barrier(n)
+        won: list = []
+
+        def take() -> None:
+            start.wait()
+            try:
+                won.append(acquire_lock(url, so))
+            except LockHeld:
+                pass
+            done.wait()
+
+        threads = [threading.Thread(target=take) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners.append(len(won))
+        for lock in won:
+            lock.release()
+    return winners
+
+
+def test_exactly_one_thread_takes_over_a_stale_local_lock(tmp_path):
+    url = str(tmp_path / "out")
+    os.makedirs(url)
+    got = _thread_race(url, None, lambda data: Path(url, "_pack.lock").write_bytes(data), rounds=30)
+    assert got == [1] * 30, got
+    assert [p.name for p in Path(url).iterdir()] == []  # no claim or lock left once released
+
+
+@pytest.mark.s3
+def test_exactly_one_thread_takes_over_a_stale_s3_lock(s3, s3_bucket):
+    from shardtrain import storage
+
+    url, so = f"{s3_bucket}/out", s3.storage_options
+    got = _thread_race(url, so, lambda data: storage.atomic_write_bytes(f"{url}/_pack.lock", data, so), rounds=3)
+    assert got == [1] * 3, got

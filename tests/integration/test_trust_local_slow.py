@@ -105,7 +105,7 @@ def _race(url: str, so: dict | None, plant) -> list[str]:
              "time_utc": "2026-01-01T00:00:00Z"}
     plant(json.dumps(stale).encode())
     t0 = time.time() + 8  # every process imported and waiting before the start
-    procs = [_spawn(TAKE, url, json.dumps(so), str(t0)) for _ in range(5)]
+    procs = [_spawn(TAKE, url, json.dumps(so), str(t0)) for _ in range(4)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     return [o[0].split()[0] for o in outs]
@@ -114,7 +114,7 @@ def _race(url: str, so: dict | None, plant) -> list[str]:
 def test_exactly_one_of_racing_packs_takes_over_a_stale_local_lock(tmp_path):
     url = str(tmp_path / "out")
     os.makedirs(url)
-    for _ in range(2):
+    for _ in range(1):
         got = _race(url, None, lambda data: Path(url, "_pack.lock").write_bytes(data))
         assert got.count("WON") == 1, got
     assert not [p.name for p in Path(url).iterdir() if "takeover" in p.name]  # claims are cleaned up
@@ -125,7 +125,7 @@ def test_exactly_one_of_racing_packs_takes_over_a_stale_s3_lock(s3, s3_bucket):
     from shardtrain import storage
 
     url, so = f"{s3_bucket}/out", s3.storage_options
-    for _ in range(2):
+    for _ in range(1):
         got = _race(url, so, lambda data: storage.atomic_write_bytes(f"{url}/_pack.lock", data, so))
         assert got.count("WON") == 1, got
     assert not [n for n in storage.ls_names(url, so) if "takeover" in n]
