@@ -293,3 +293,26 @@ def test_exactly_one_thread_takes_over_a_stale_s3_lock(s3, s3_bucket):
     url, so = f"{s3_bucket}/out", s3.storage_options
     got = _thread_race(url, so, lambda data: storage.atomic_write_bytes(f"{url}/_pack.lock", data, so), rounds=3)
     assert got == [1] * 3, got
+
+
+def test_shard_cache_keeps_only_copies_whose_sha256_matches_the_manifest(tmp_path):
+    import hashlib
+
+    good = os.urandom(100_000)
+    sha = hashlib.sha256(good).hexdigest()
+    calls = []
+
+    def fetch(data):
+        def pieces():
+            calls.append(1)
+            yield data
+        return pieces
+
+    cache = ShardCache(str(tmp_path / "c"), 1 << 30)
+    bad = bytes(len(good))  # right size, wrong content (a corrupted remote read)
+    assert b"".join(cache.read("s.tar", sha, len(good), fetch(bad), 0, 10)) == bad[:10]  # handed over, counted later
+    assert not os.path.exists(cache.local_path("s.tar", sha))  # but never kept as the cached shard
+    assert b"".join(cache.read("s.tar", sha, len(good), fetch(good), 0, 10)) == good[:10]
+    assert b"".join(cache.read("s.tar", sha, len(good), fetch(good), 5, 20)) == good[5:20]
+    assert len(calls) == 2  # the good copy is kept and reused
+    assert stat.S_IMODE(os.lstat(tmp_path / "c").st_mode) == 0o700

@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import os
 import re
+import stat
 import threading
 from typing import BinaryIO, Callable, Iterable, Iterator
 
@@ -104,8 +105,9 @@ class ShardCache:
             except FileNotFoundError:
                 return None
             f = os.fdopen(fd, "rb")
-            if os.fstat(fd).st_size != size:
-                f.close()
+            st = os.fstat(fd)
+            if st.st_size != size or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                f.close()  # a truncated copy is fetched again; anything not a file of ours is never read
                 return None
             os.utime(fd)
             return f
