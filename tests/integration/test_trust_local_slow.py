@@ -178,12 +178,12 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-@pytest.mark.parametrize("rows, text_chars, found", [(20_000, 300, "while writing"), (40_000, 10, "before writing")])
+@pytest.mark.parametrize("rows, text_chars, found", [(20_000, 300, "while writing"), (60_000, 10, "before writing")])
 def test_disk_full_while_building_the_index_map_is_an_error_not_sigbus(tmp_path, small_disk, rows, text_chars,
                                                                         found):
     """The copy does not fit: one line naming the folder and the space, exit status 3, no temp folder left. With
     300-character transcripts the estimate (from Parquet's dictionary-encoded sizes) passes and the disk fills
-    during the writes; 40k rows are refused up front. Through a memory map this was a SIGBUS (-7)."""
+    during the writes; 60k rows are refused up front. Through a memory map this was a SIGBUS (-7)."""
     ds = write_index_dataset(tmp_path / "ds", rows, text="X" * text_chars)
     r = _py(BUILD, ds, str(small_disk))
     assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-3000:])
