@@ -75,11 +75,11 @@ def test_a_folder_another_user_made_or_planted_as_a_symlink_is_refused(other_use
     as_user(other_user, "mkdir", "-m", "777", str(shared / "squat"))
     as_user(other_user, "ln", "-s", str(victim), str(shared / "link"))
 
-    with pytest.raises(PrivateDirError, match=r"squat belongs to uid \d+, not to you.*remove it"):
+    with pytest.raises(PrivateDirError, match=r"squat belongs to uid \d+, not to you.*its owner or root must remove"):
         private_dir(shared / "squat")
     with pytest.raises(PrivateDirError, match="symbolic link"):
         ShardCache(str(shared / "link"), 1 << 20)
-    with pytest.raises(PrivateDirError, match=r"link is a symbolic link.*stream.index_cache_dir"):
+    with pytest.raises(PrivateDirError, match=r"link is a symbolic link.*remove the link, or set stream.index_cache"):
         open_mapped(open_dataset(dataset), str(shared / "link"), text=False)
     assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]  # nothing written, nothing deleted
     assert (victim / "precious.txt").read_text() == "mine"

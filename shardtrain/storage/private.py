@@ -29,16 +29,16 @@ class PrivateDirError(PermissionError):
     """A folder shardtrain would keep private data in is not private; the message says what to remove or change."""
 
 
-def _problem(st: os.stat_result) -> str | None:
-    """Why a folder with this lstat result cannot hold private data, or None when it can."""
+def _problem(st: os.stat_result) -> tuple[str, str] | None:
+    """(why a folder with this lstat result cannot hold private data, what fixes it), or None when it can."""
     if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link (shardtrain follows none it did not create)"
+        return "is a symbolic link (shardtrain follows none it did not create)", "remove the link"
     if not stat.S_ISDIR(st.st_mode):
-        return "is not a folder"
+        return "is not a folder", "remove it"
     if st.st_uid != os.geteuid():
-        return f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"
+        return f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})", "its owner or root must remove it"
     if st.st_mode & 0o022:
-        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})", "make it yours alone (chmod go-w)"
     return None
 
 
@@ -58,10 +58,10 @@ def private_dir(path: str | os.PathLike, *, setting: str = "") -> Path:
         except FileExistsError:  # made meanwhile by someone else: checked below like any existing folder
             pass
         st = os.lstat(p)
-    why = _problem(st)
-    if why is not None:
+    problem = _problem(st)
+    if problem is not None:
         alt = f", or set {setting} to a folder of your own" if setting else ""
-        raise PrivateDirError(f"{p} {why}: it cannot hold shardtrain's private files; remove it{alt}")
+        raise PrivateDirError(f"{p} {problem[0]}: it cannot hold shardtrain's private files; {problem[1]}{alt}")
     if created:
         fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:  # the umask may have left group/other bits: this folder is ours, make it 0700
@@ -123,5 +123,6 @@ def space_error(folder: str | os.PathLike, need: int, what: str, setting: str = 
     except OSError:
         free = 0
     alt = f", or set {setting} to a bigger disk" if setting else ""
-    return NoSpace(28, f"{what} needs {'more than' if more else 'about'} {need / 1e6:.1f} MB in {folder}, which has {free / 1e6:.1f} MB free: free "
+    how = "more than" if more else "about"
+    return NoSpace(28, f"{what} needs {how} {need / 1e6:.1f} MB in {folder}, which has {free / 1e6:.1f} MB free: free "
                        f"space there{alt}")

@@ -88,7 +88,8 @@ def run_mirror(out_dir: str) -> Path:
     and named by the URL (readable part + digest: no `..` or `/` from the URL reaches the path)."""
     rest = out_dir.split("://", 1)[-1].strip("/")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", rest).strip("._")[:80] or "run"
-    return private_dir(user_dir("runs", setting="--out") / f"{name}-{hashlib.sha256(out_dir.encode()).hexdigest()[:12]}")
+    digest = hashlib.sha256(out_dir.encode()).hexdigest()[:12]
+    return private_dir(user_dir("runs", setting="--out") / f"{name}-{digest}")
 
 
 def step_dir_name(step: int) -> str:
