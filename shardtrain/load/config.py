@@ -81,7 +81,8 @@ class StreamConfig:
     4M rows, ~790 s at 100M); blocks also end every max(batches_per_chunk, rows / 600k) rows."""
     index_cache_dir: str | None = None
     """Node-local folder for the block planner's memory-mapped index (~70 B a row plus keys and transcripts on
-    disk; built by the first rank of a node); None: `<tempdir>/shardtrain-index`."""
+    disk; built by the first rank of a node); None: `<tempdir>/shardtrain-<uid>/index` (private to the user).
+    A folder given here must be this user's and not writable by others (storage.private), else it is refused."""
     pcm_dtype: str = "float32"
     """Batch.waves dtype: "float32" in [-1, 1), or "int16" (raw PCM; half the host memory traffic, ~10% more
     throughput on 2 cores; the trainer converts on the device)."""

@@ -12,10 +12,15 @@ Why an object and not flock: the output is often an S3 prefix, where only the ob
   then read back and its token compared, which also catches a server that ignores the header when the two
   writes are not concurrent. Residual race, only on a server that ignores `If-None-Match`: two packs whose PUTs
   and read-backs interleave can both believe they hold the lock.
-- Taking over a stale lock (same host, pid no longer alive) deletes it and retries once; two processes taking
-  over the same stale lock at once race on that delete (one of them then fails to create and is refused).
+- Taking over a stale lock (same host, pid no longer alive) is conditional, so exactly one of several processes
+  racing for it wins: each first creates the claim object `_pack.lock.takeover-<stale token>` exclusively (the
+  same If-None-Match create as above: one creator per stale token), re-reads the lock (still the stale one?),
+  overwrites it, reads it back, then deletes its claim. The others fail to create the claim and are refused,
+  naming the new holder. Why not If-Match on the lock itself: conditional PUT/DELETE on an ETag is newer and
+  not universal among S3 servers (tests/test_trust_local.py probes what SeaweedFS does); If-None-Match is
+  the one primitive both SeaweedFS and AWS honour, and the claim needs nothing else. A claim left by a process
+  killed mid-takeover blocks takeovers of that one stale lock; the message names both objects to delete.
   A lock left by a crash on another host must be removed by hand (the message says which object).
-
 Costs: one small write and one read (two requests on S3) to acquire, one delete to release.
 """
 from __future__ import annotations
@@ -73,7 +78,6 @@ def acquire_lock(dir_url: str, storage_options: dict | None = None, *, purpose: 
     info = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose, "token": token,
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     data = json.dumps(info, sort_keys=True).encode()
-    took_over = False
     for _ in range(3):
         if _create_exclusive(url, data, storage_options):
             holder = _read_holder(url, storage_options)
@@ -84,14 +88,36 @@ def acquire_lock(dir_url: str, storage_options: dict | None = None, *, purpose: 
             holder = _read_holder(url, storage_options)
             if holder is None and not _fs.exists(url, storage_options):
                 continue  # released between our create and our read: try again
-        if not took_over and _stale(holder):
-            log.warning("taking over the stale lock %s of %s (that process is gone)", url, describe(holder))
-            _fs.remove(url, storage_options)
-            took_over = True
-            continue
+        if _stale(holder) and _take_over(url, holder, data, token, storage_options):
+            return OutputLock(url=url, token=token, storage_options=storage_options)
+        holder = _read_holder(url, storage_options) or holder
         break
+    claim = f" (and {_claim_url(url, holder)}, if it exists)" if _stale(holder) else ""
     raise LockHeld(f"{dir_url} is locked by another {purpose}: {describe(holder)} holds {url}. Wait for it to "
-                   f"finish; if no such process runs any more, delete {url} and re-run")
+                   f"finish; if no such process runs any more, delete {url}{claim} and re-run")
+
+
+def _claim_url(url: str, holder: dict | None) -> str:
+    tok = str((holder or {}).get("token", ""))
+    return f"{url}.takeover-{tok if tok.isalnum() and len(tok) <= 64 else 'x'}"
+
+
+def _take_over(url: str, stale: dict | None, data: bytes, token: str, storage_options: dict | None) -> bool:
+    """Replace the stale lock `stale` by ours iff this process is the one that claims it (module docstring)."""
+    assert stale is not None
+    claim = _claim_url(url, stale)
+    if not _create_exclusive(claim, data, storage_options):
+        return False  # another process is taking it over (or did)
+    try:
+        now = _read_holder(url, storage_options)
+        if now is not None and now.get("token") != stale.get("token"):
+            return False  # replaced meanwhile (released by hand and taken afresh): not ours to overwrite
+        log.warning("taking over the stale lock %s of %s (that process is gone)", url, describe(stale))
+        _fs.atomic_write_bytes(url, data, storage_options)
+        now = _read_holder(url, storage_options)
+        return now is not None and now.get("token") == token
+    finally:
+        _fs.remove(claim, storage_options)
 
 
 def _create_exclusive(url: str, data: bytes, storage_options: dict | None) -> bool:

@@ -5,7 +5,7 @@
         model.pt              rank 0: model state_dict (unwrapped from DDP)
         train_state.pt        rank 0: optimizer, scheduler, grad scaler, step, tokenizer
         rank00000.pt ...      every rank: its torch RNG states + the loader state of its last consumed batch
-        meta.json             step, val_loss, world_size, resolved config (written last inside the temp dir)
+        meta.json             step, val_loss, world_size, rank_files, resolved config (written last inside the temp dir)
       .tmp-step_000300/       being written; ignored by readers, removed on the next save
 
 Protocol: rank 0 creates the temp dir -> barrier -> every rank writes its files (fsync) -> barrier -> rank 0
@@ -18,11 +18,20 @@ directory rename: every file is uploaded under its final name (each upload is at
 written by rank 0 after all the others are there, is the commit point: readers list only step folders holding
 one. Re-saving a step first deletes its meta.json; pruning deletes meta.json first, then the rest.
 
+Membership: meta.json names the rank files of its step (`rank_files`), and a load reads only those. On an object
+store a step folder can hold rank files of an attempt that died before committing (a re-save at a smaller world
+size leaves them); they are ignored, so after an elastic shrink and regrow every rank resumes from the committed
+cursors. A checkpoint without `rank_files` (older) counts the files of ranks below its world_size.
+
+Local mirror: with an `s3://` --out, run files are written to a private folder of this user
+(`run_mirror(out_dir)`: <tempdir>/shardtrain-<uid>/runs/<name>-<digest>, storage.private) and copied up.
+
 Retention: the newest `keep_last` plus the one with the lowest validation loss.
 Loading uses `torch.load(weights_only=True)`: nothing but tensors and plain containers is unpickled.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,10 +45,12 @@ from typing import Callable
 import torch
 
 from shardtrain import storage
+from shardtrain.storage.private import private_dir, user_dir
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_RANK_FILE = re.compile(r"^rank\d{5}\.pt$")
 
 
 def _fsync_file(path: Path) -> None:
@@ -53,6 +64,32 @@ def _fsync_file(path: Path) -> None:
 def _save(obj: object, path: Path) -> None:
     torch.save(obj, path)
     _fsync_file(path)
+
+
+def rank_files(world_size: int) -> list[str]:
+    """The rank files a step saved by `world_size` processes consists of."""
+    return [f"rank{r:05d}.pt" for r in range(world_size)]
+
+
+def _commit_meta(meta: dict, step: int, world_size: int) -> dict:
+    return {**meta, "step": step, "world_size": world_size, "rank_files": rank_files(world_size)}
+
+
+def committed_rank_files(meta: dict) -> set[str]:
+    """The rank files a committed step's meta.json names (older checkpoints: those of ranks below world_size)."""
+    names = meta.get("rank_files")
+    if isinstance(names, list):
+        return {n for n in names if isinstance(n, str) and _RANK_FILE.match(n)}
+    return set(rank_files(int(meta.get("world_size", 1))))
+
+
+def run_mirror(out_dir: str) -> Path:
+    """The local folder mirroring an object-store --out (metrics, TensorBoard, run files): private to this user
+    and named by the URL (readable part + digest: no `..` or `/` from the URL reaches the path)."""
+    rest = out_dir.split("://", 1)[-1].strip("/")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", rest).strip("._")[:80] or "run"
+    digest = hashlib.sha256(out_dir.encode()).hexdigest()[:12]
+    return private_dir(user_dir("runs", setting="--out") / f"{name}-{digest}")
 
 
 def step_dir_name(step: int) -> str:
@@ -123,7 +160,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
         if missing:
             raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
         meta_path = tmp / "meta.json"
-        meta_path.write_text(json.dumps({**meta, "step": step, "world_size": world_size}, indent=1))
+        meta_path.write_text(json.dumps(_commit_meta(meta, step, world_size), indent=1))
         _fsync_file(meta_path)
         if final.exists():  # the same step saved again after a restart: move the old copy aside first
             os.replace(final, root / f".tmp-old-{final.name}")
@@ -142,10 +179,15 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
 
 def _upload(obj: object, url: str, storage_options: dict | None) -> None:
     """torch.save to a local temp file, then one upload (multipart above s3fs's block size): no second copy of a
-    large model in memory, and the object appears only once complete."""
-    fd, tmp = tempfile.mkstemp(prefix="shardtrain-ckpt-", suffix=".pt")
+    large model in memory, and the object appears only once complete. The temp file is this user's (mkstemp in
+    the private folder: 0600, never an existing name) and is removed whatever happens."""
+    fd, tmp = tempfile.mkstemp(prefix="ckpt-", suffix=".pt", dir=user_dir("tmp"))
     os.close(fd)
-    torch.save(obj, tmp)
+    try:
+        torch.save(obj, tmp)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     storage.commit_local_file(tmp, url, storage_options)
 
 
@@ -168,7 +210,10 @@ def _save_remote(root: str, *, step: int, rank: int, world_size: int, barrier: C
         missing = [r for r in range(world_size) if f"rank{r:05d}.pt" not in names]
         if missing:
             raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
-        body = json.dumps({**meta, "step": step, "world_size": world_size}, indent=1).encode()
+        stray = sorted(n for n in names if _RANK_FILE.match(n) and n not in rank_files(world_size))
+        for n in stray:  # left by a dead attempt with more ranks: never part of this step
+            storage.remove(storage.join(final, n), storage_options)
+        body = json.dumps(_commit_meta(meta, step, world_size), indent=1).encode()
         storage.atomic_write_bytes(storage.join(final, "meta.json"), body, storage_options)  # the commit point
         prune(root, keep_last, storage_options)  # type: ignore[arg-type]
         log.info("saved checkpoint %s", final)
@@ -225,10 +270,10 @@ def load_checkpoint(path: Path, *, rank: int, world_size: int, storage_options: 
     """-> {meta, model, main, rank}, from a local folder or an object-store prefix. Any world size: `rank` is this
     rank's own file when the checkpoint has one; a rank the checkpoint did not have gets rank 0's loader state
     (the same cursor on every rank; the loader re-stripes the rest of the epoch) and no RNG state (`rng_cpu`
-    None: the trainer seeds it). See elastic.py."""
+    None: the trainer seeds it). See elastic.py. Only rank files the step's meta.json names are read."""
     meta = read_meta(path, storage_options)
     own = f"rank{rank:05d}.pt"
-    if _has(path, own, storage_options):
+    if own in committed_rank_files(meta) and _has(path, own, storage_options):
         rank_state = _load(path, own, storage_options)
     else:
         first = _load(path, "rank00000.pt", storage_options)

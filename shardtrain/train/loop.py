@@ -492,14 +492,11 @@ def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
 
 def _run_dirs(out_dir: str) -> tuple[Path, Path | str]:
     """(local run folder, checkpoint folder or URL). With an object-store --out (s3://bucket/run), metrics and
-    TensorBoard are written to a local mirror (TMPDIR/shardtrain-runs/bucket/run), copied up at each checkpoint;
-    checkpoints go straight to s3://bucket/run/checkpoints (committed by their meta.json)."""
+    TensorBoard are written to a local mirror (checkpoint.run_mirror: a private folder of this user), copied up at
+    each checkpoint; checkpoints go straight to s3://bucket/run/checkpoints (committed by their meta.json)."""
     if not ckpt.is_remote(out_dir):
         return Path(out_dir), Path(out_dir) / "checkpoints"
-    import tempfile
-
-    local = Path(tempfile.gettempdir()) / "shardtrain-runs" / out_dir.split("://", 1)[1].strip("/")
-    return local, storage.join(out_dir, "checkpoints")
+    return ckpt.run_mirror(out_dir), storage.join(out_dir, "checkpoints")
 
 
 def _push_run_files(local: Path, url: str, storage_options: dict | None) -> None:
