@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 WORK = "_work"
 REJECTS = "rejects.jsonl"
 ENGINES = ("local", "ray")
+DEFAULT_MIN_DURATION_S = 0.2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,10 +74,17 @@ class PackConfig:
     """Target shard size in MiB, estimated from headers before encoding (`--target-shard-mb`)."""
     max_samples_per_shard: int | None = None
     """Also cut a shard after this many samples (`--max-samples-per-shard`)."""
-    min_duration_s: float | None = None
-    """Reject utterances shorter than this (`--min-duration`)."""
+    channels_policy: str = "mix"
+    """Multi-channel input to a mono target (`--channels-policy`): "mix" averages the channels, "first" keeps
+    channel 0, "<index>" keeps that one (transcode.AudioTarget.channel_policy)."""
+    min_duration_s: float | None = DEFAULT_MIN_DURATION_S
+    """Reject utterances shorter than this, reason `too_short` (`--min-duration-s`; 0 or None keeps all). A clip
+    under 0.2 s holds at most a phone or two: with a CTC model it is mostly a target longer than its frames or
+    noise, so it is left out by default, and counted in rejects.jsonl."""
     max_duration_s: float | None = None
-    """Reject utterances longer than this (`--max-duration`)."""
+    """Reject utterances longer than this, reason `too_long` (`--max-duration-s`)."""
+    split: str | None = None
+    """Split of a Hugging Face DatasetDict folder (`--split`, e.g. train); required for one, else unused."""
     workers: int = 1
     """Processes writing shards (`--workers`); 1 writes in this process. Output does not depend on it.
     Local engine only: Ray runs as many tasks as the cluster has CPUs."""
@@ -109,7 +117,10 @@ class PackConfig:
             raise ValueError(f"--max-samples-per-shard must be >= 1, got {self.max_samples_per_shard}")
         if self.min_duration_s is not None and self.max_duration_s is not None:
             if self.min_duration_s > self.max_duration_s:
-                raise ValueError("--min-duration must be <= --max-duration")
+                raise ValueError("--min-duration-s must be <= --max-duration-s")
+        from shardtrain.pack.transcode import channel_index
+
+        channel_index(self.channels_policy)
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.probe_threads < 1:
@@ -132,6 +143,8 @@ class PackConfig:
             "max_duration_s": self.max_duration_s,
             "source_format": self.source_format,
             **({"text_column": self.text_column} if self.text_column else {}),
+            **({"split": self.split} if self.split else {}),
+            **({"channels_policy": self.channels_policy} if self.channels_policy != "mix" else {}),
         }
 
 
@@ -346,8 +359,10 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     t0 = time.perf_counter()
     out, so = str(cfg.output).rstrip("/"), cfg.storage_options
     target = AudioTarget(codec=cfg.codec, sample_rate_hz=cfg.sample_rate_hz, channels=cfg.channels,
-                         keep_original=cfg.keep_original, verify_decode=cfg.decode_check)
-    parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column)
+                         keep_original=cfg.keep_original, verify_decode=cfg.decode_check,
+                         channel_policy=cfg.channels_policy)
+    parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column,
+                       split=cfg.split)
     plan = make_plan(cfg, engine.scan(cfg, parts, progress.scanned), engine.path_of)
     items = plan.items
     fp, rejects = plan.fingerprint, plan.rejects

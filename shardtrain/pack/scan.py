@@ -112,9 +112,9 @@ def _filter(cfg: PackConfig, item, info) -> tuple[float, dict | None]:
     if start_s + duration_s > info.duration_s + SEGMENT_TOLERANCE_S:
         return reject("segment_out_of_range", f"{start_s}+{duration_s}s > {info.duration_s}s")
     if cfg.min_duration_s is not None and duration_s < cfg.min_duration_s:
-        return reject("too_short")
+        return reject("too_short", f"{duration_s:.3f} s < --min-duration-s {cfg.min_duration_s:g}")
     if cfg.max_duration_s is not None and duration_s > cfg.max_duration_s:
-        return reject("too_long")
+        return reject("too_long", f"{duration_s:.3f} s > --max-duration-s {cfg.max_duration_s:g}")
     return duration_s, None
 
 
@@ -140,6 +140,24 @@ def _early_reject(x) -> dict | None:
     return None
 
 
+def collapse_whitespace(text: str) -> str:
+    """Runs of whitespace (spaces, tabs, line breaks, any Unicode space) -> one space; ends stripped."""
+    return " ".join(text.split())
+
+
+def _collapse_text(item):
+    """The item with its transcript's whitespace collapsed: what the index and `<key>.json` store as `text`.
+    A double space, a tab or a line break inside a transcript is never meaningful, and kept it would become a
+    vocabulary symbol or a scoring difference. Anything beyond whitespace (case, punctuation, Unicode form) is
+    left to the trainer's normaliser, so `text` stays the transcript as written."""
+    from dataclasses import replace
+
+    text = item.text
+    if text is None or text == collapse_whitespace(text):
+        return item
+    return replace(item, text=collapse_whitespace(text))
+
+
 def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
     """Read, probe and filter one part. Returns its PartScan and one record per candidate,
     `(Item, AudioInfo, duration_s, est_bytes)` (AudioInfo None for a late reject). Never raises for bad items.
@@ -156,7 +174,7 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
         if row is not None:
             early.append((n - 1, row))
         elif isinstance(x, Item):
-            cands.append(x)
+            cands.append(_collapse_text(x))
             positions.append(n - 1)
     with ThreadPoolExecutor(min(cfg.probe_threads, max(1, len(cands)))) as ex:
         probed = list(ex.map(lambda it: _probe_one(cfg, it), cands))
