@@ -154,6 +154,8 @@ def _run_tool(tool: str, args, corpus: Path, root: Path, workers: int, n_files: 
 
 
 def make_input(args, root: Path) -> Path:
+    if args.corpus:
+        return Path(args.corpus)
     if args.speech:
         from shardtrain.testing.speech import synth_speech_corpus
 
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                          "lhotse)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the tool list this many times, alternating (A/B), and report each tool's median")
+    ap.add_argument("--corpus", default=None,
+                    help="an existing flat corpus (x.flac + x.txt), e.g. from `shardtrain synth DIR --n 3000 --layout "
+                         "flat`, instead of making one")
     ap.add_argument("--work-dir", default=None, help="where to put corpus and outputs (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args(argv)

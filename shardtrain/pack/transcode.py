@@ -21,6 +21,7 @@ from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo
 from shardtrain.format.codecs import CODECS, SF_FORMAT
 from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, MP3_RATES_HZ, open_audio, read_audio_bytes
 from shardtrain.pack.probe import OPUS_RATES_HZ
+from shardtrain.pack.tailcheck import check_tail, seek_tail
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,7 +39,7 @@ class AudioTarget:
     codecs are still transcoded to this target)."""
     verify_decode: bool = True
     """Decode kept-original files fully so a truncated file is rejected here, not in the training loader
-    (FLAC: ~2 ms per 10 s of audio). False still decodes the last TAIL_FRAMES samples (the tail check)."""
+    (FLAC: ~2 ms per 10 s of audio). False still checks that the content reaches the length the header claims (tailcheck: ~0.05 ms)."""
     channel_policy: str = "mix"
     """How a multi-channel input becomes the mono a 1-channel target stores (`--channels-policy`): "mix" averages
     the channels (a recording with speech on one side only loses 6 dB), "first" keeps channel 0, "<index>" keeps
@@ -109,44 +110,13 @@ def _verify_bytes(data: bytes, info: AudioInfo, where: str) -> None:
                                             f"{decoded}")
 
 
-TAIL_FRAMES = 1024
-"""Samples decoded at the end of what a header promises (the tail check): cheap (~0.1-0.3 ms: one seek, which
-FLAC does by bisection, and one short read) and it catches a header that claims more than the content holds."""
-
-
-def _check_tail(f: sf.SoundFile, end: int, where: str) -> None:
-    """Seek to `end - TAIL_FRAMES` in open file `f` and decode up to `end`: raises AudioError("truncated_audio") when
-    the content ends before the header says (the seek or the read fails or comes up short). This is what keeps a
-    lying header out of a dataset even with `--no-decode-check`, and what stops `_read_segment` from allocating an
-    array for samples that do not exist."""
-    k = min(TAIL_FRAMES, end)
-    try:
-        pos = f.seek(end - k)
-        got = len(f.read(k, dtype="int16", always_2d=True))
-    except SF_ERRORS as e:
-        raise AudioError("truncated_audio", f"{where}: header promises {end} samples, the content ends before "
-                                            f"({e})") from e
-    if pos != end - k or got != k:
-        raise AudioError("truncated_audio", f"{where}: header promises {end} samples, decoding its last {k} "
-                                            f"yields {got}")
-
-
-def check_tail_bytes(data: bytes, info: AudioInfo, where: str) -> None:
-    """_check_tail on audio bytes in memory (what `--no-decode-check` still does to kept files)."""
-    try:
-        with sf.SoundFile(io.BytesIO(data)) as f:
-            _check_tail(f, info.num_samples, where)
-    except SF_ERRORS as e:
-        raise AudioError("unreadable_audio", f"{where}: {e}") from e
-
-
 def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, where: str) -> np.ndarray:
     """Decode only [start, start + count) (soundfile seek); a short read means a damaged file and raises. The
-    segment's tail is decoded first (_check_tail), so a header that lies about the length costs a seek, not an
+    segment's tail is decoded first (tailcheck.seek_tail), so a header that lies about the length costs a seek, not an
     allocation of `count` samples."""
     try:
         with sf.SoundFile(src) as f:
-            _check_tail(f, start + count, where)
+            seek_tail(f, start + count, where)
             f.seek(start)
             x = f.read(count, dtype=dtype, always_2d=True)
     except SF_ERRORS as e:
@@ -180,7 +150,7 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
         if target.verify_decode:
             _verify_bytes(data, info, item.audio)
         else:  # still never store a header that lies about its length (the loader would find out mid-epoch)
-            check_tail_bytes(data, info, item.audio)
+            check_tail(data, info, item.audio)
         return data, info
 
     if info.channels != target.channels and target.channels != 1 and info.channels != 1:
