@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,8 +94,9 @@ class PackConfig:
     a cluster, `pip install 'shardtrain[ray]'`). Output does not depend on it."""
     ray_address: str | None = None
     """Ray cluster to join (`--ray-address`): None starts a local one, "auto", or "ray://head:10001"."""
-    part_items: int = 1024
-    """Items per listing/probe task (LibriSpeech: ~part_items/64 chapters). Output does not depend on it."""
+    part_items: int = 256
+    """Items per listing/probe task (LibriSpeech: ~part_items/64 chapters). Output does not depend on it. Small
+    enough that a few thousand files make several parts per worker (the scan runs in the pool)."""
     probe_threads: int = 8
     """Threads reading audio headers (I/O-bound; more helps on S3)."""
     strict: bool = False
@@ -161,7 +163,15 @@ class PackResult:
     """Shards written by this run (the rest were complete from an earlier run)."""
     wall_s: float
     probe_s: float = 0.0
+    """Listing + scan + plan: the time before the first shard can be written."""
     write_s: float = 0.0
+    """Writing the shards (read, decode check or transcode, tar, sha256, publish) on the engine."""
+    scan_s: float = 0.0
+    """Of probe_s: listing the input and scanning it (transcripts, headers, filters; pool start-up included)."""
+    plan_s: float = 0.0
+    """Of probe_s: the global plan (duplicates, keys, sort, cut, fingerprint) on the driver."""
+    commit_s: float = 0.0
+    """index.parquet from the done-markers, rejects.jsonl, manifest.json, removing _work/."""
     items: int = 0
     """Items read from INPUT (samples + rejects)."""
     already_complete: bool = False
@@ -277,6 +287,15 @@ class _IndexRows:
         return rows
 
 
+def _warm_arrow() -> None:
+    """pyarrow imports pandas on its first `pa.array` (~1 s of CPU, ~2 s on a loaded machine); the driver needs it
+    for the plan and the index. Started while the pool workers scan (the driver only waits then), it is off the
+    critical path instead of delaying the plan."""
+    import pyarrow as pa
+
+    pa.array([0])
+
+
 def _engine(cfg: PackConfig):
     from shardtrain.pack.engine import LocalEngine, RayEngine
 
@@ -363,7 +382,11 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
                          channel_policy=cfg.channels_policy)
     parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column,
                        split=cfg.split)
-    plan = make_plan(cfg, engine.scan(cfg, parts, progress.scanned), engine.path_of)
+    if cfg.engine == "local" and cfg.workers > 1:
+        threading.Thread(target=_warm_arrow, name="warm-arrow", daemon=True).start()
+    scans = engine.scan(cfg, parts, progress.scanned)
+    scan_s = time.perf_counter() - t0
+    plan = make_plan(cfg, scans, engine.path_of)
     items = plan.items
     fp, rejects = plan.fingerprint, plan.rejects
     probe_s = time.perf_counter() - t0
@@ -393,6 +416,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     write_s = time.perf_counter() - t1
 
     manifest, all_rejects = _commit(cfg, out, fp, [done[i] for i in range(plan.shards)], rows, rejects.rows)
+    commit_s = time.perf_counter() - t1 - write_s
     by_reason: dict[str, int] = {}
     for r in all_rejects:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
@@ -400,7 +424,8 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     return PackResult(output=out, samples=t["samples"], seconds=t["seconds"], shards=t["shards"], bytes=t["bytes"],
                       rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
                       shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
-                      items=t["samples"] + len(all_rejects))
+                      items=t["samples"] + len(all_rejects), scan_s=scan_s, plan_s=probe_s - scan_s,
+                      commit_s=commit_s)
 
 
 def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _IndexRows,
