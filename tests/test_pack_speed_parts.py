@@ -47,3 +47,16 @@ def test_flac_tail_fast_path(tmp_path):
         assert _flac_tail_ok(data, n)
         assert not _flac_tail_ok(data, n + 1) and not _flac_tail_ok(data, 2 * n)
         assert not _flac_tail_ok(data[:-3], n) and not _flac_tail_ok(data[: len(data) // 2], n)
+
+
+def test_flac_streaminfo_equals_soundfile_info(tmp_path):
+    from shardtrain.pack.probe import _flac_streaminfo
+
+    mono = make_corpus(tmp_path / "m", [0.3, 1.7], seed=1)
+    stereo = make_corpus(tmp_path / "s", [0.9], sample_rate_hz=44100, channels=2, seed=2)
+    for p in sorted(mono.glob("*.flac")) + sorted(stereo.glob("*.flac")):
+        i, fast = sf.info(str(p)), _flac_streaminfo(str(p))
+        assert fast is not None and (fast.frames, fast.samplerate, fast.channels) == (i.frames, i.samplerate,
+                                                                                        i.channels)
+    wav = make_corpus(tmp_path / "w", [0.5], fmt="wav", seed=3)
+    assert _flac_streaminfo(str(next(wav.glob("*.wav")))) is None  # not FLAC: soundfile.info decides

@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import soundfile as sf
 from shardtrain import storage
@@ -134,11 +134,14 @@ def probe(path: str, storage_options: dict | None = None) -> AudioInfo:
             data = src.read() if not isinstance(src, str) else None
         nbytes = len(data) if data is not None else \
             os.path.getsize(src) if isinstance(src, str) else int(getattr(src, "size", 0) or 0)
-        try:
-            info = sf.info(io.BytesIO(data) if data is not None else src)
-        except SF_ERRORS as e:
-            raise AudioError("unreadable_audio", f"{path}: {e}") from e
-    codec = codec_of(info.format, info.subtype)
+        info: Any = _flac_streaminfo(src) if isinstance(src, str) else None
+        codec = "flac"
+        if info is None:
+            try:
+                info = sf.info(io.BytesIO(data) if data is not None else src)
+            except SF_ERRORS as e:
+                raise AudioError("unreadable_audio", f"{path}: {e}") from e
+            codec = codec_of(info.format, info.subtype)
     frames, rate = int(info.frames), int(info.samplerate)
     if frames <= 0 or rate <= 0:
         raise AudioError("empty_audio", f"{path} has {frames} samples")
@@ -149,6 +152,28 @@ def probe(path: str, storage_options: dict | None = None) -> AudioInfo:
         _check_mp3_length(path, data if data is not None else read_audio_bytes(path, storage_options), frames)
     return AudioInfo(duration_s=frames / rate, sample_rate_hz=rate, num_samples=frames, channels=int(info.channels),
                      codec=codec)
+
+
+class _StreamInfo(NamedTuple):
+    frames: int
+    samplerate: int
+    channels: int
+
+
+def _flac_streaminfo(path: str) -> _StreamInfo | None:
+    """A local FLAC file's length, rate and channels from its STREAMINFO block (the first 42 bytes), or None
+    for anything else (then soundfile.info decides). ~10 us instead of ~80 us for soundfile.info, which opens a
+    decoder: a third of a kept-FLAC scan's CPU. The content is checked later against this claim (the decode check,
+    or the tail check with --no-decode-check); the bit depths libsndfile reads are the only ones accepted here."""
+    with open(path, "rb") as f:
+        head = f.read(42)
+    if len(head) < 42 or head[:4] != b"fLaC" or head[4] & 0x7F or head[5:8] != b"\x00\x00\x22":
+        return None
+    v = int.from_bytes(head[18:26], "big")
+    rate, channels, bits, total = v >> 44, ((v >> 41) & 7) + 1, ((v >> 36) & 31) + 1, v & ((1 << 36) - 1)
+    if not rate or not total or bits not in (8, 16, 24):
+        return None
+    return _StreamInfo(total, rate, channels)
 
 
 def _looks_mp3(path: str) -> bool:
