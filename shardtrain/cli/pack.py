@@ -12,6 +12,8 @@ from shardtrain.cli.common import _CREDS_HELP, _one_line, _parse_storage_options
 def _add_pack(sub) -> None:
     import os
 
+    from shardtrain.pack.packer import DEFAULT_MIN_DURATION_S
+
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
                    help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder, Lhotse CutSet "
@@ -21,6 +23,9 @@ def _add_pack(sub) -> None:
     p.add_argument("--source-format", default="auto",
                    help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
                         "commonvoice (default: auto)")
+    p.add_argument("--split", default=None, metavar="NAME",
+                   help="split of a Hugging Face DatasetDict folder (one with dataset_dict.json), e.g. train; "
+                        "required for such a folder (the error lists its splits)")
     p.add_argument("--text-column", default=None,
                    help="transcript column of a Hugging Face dataset input (default: text, sentence, transcription, "
                         "... whichever exists)")
@@ -31,17 +36,26 @@ def _add_pack(sub) -> None:
                    help="stored audio codec (default: flac)")
     p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
     p.add_argument("--channels", type=int, default=1, help="stored channel count (default: 1)")
+    p.add_argument("--channels-policy", default="mix", metavar="mix|first|INDEX",
+                   help="how multi-channel input becomes mono (with --channels 1): mix averages the channels (a "
+                        "one-sided stereo recording loses 6 dB), first keeps channel 0, INDEX keeps that channel "
+                        "(files with fewer channels are rejected: missing_channel) (default: mix)")
     p.add_argument("--keep-original", action="store_true",
                    help="store input audio bytes unchanged (no transcoding, whatever codec/rate/channels)")
     p.add_argument("--no-decode-check", action="store_true",
-                   help="do not fully decode audio kept byte for byte (faster; a truncated input file is then "
-                        "caught only by `inspect --verify` or the loader)")
+                   help="do not fully decode audio kept byte for byte, only its last samples (faster; a header "
+                        "that lies about the length is still rejected, but damage inside a file is then caught "
+                        "only by `inspect --verify` or the loader)")
     p.add_argument("--target-shard-mb", type=float, default=256.0,
                    help="target shard size in MiB, estimated from headers (default: 256)")
     p.add_argument("--max-samples-per-shard", type=int, default=None,
                    help="also cut a shard after this many samples (default: no limit)")
-    p.add_argument("--min-duration", type=float, default=None, help="reject utterances shorter than this (seconds)")
-    p.add_argument("--max-duration", type=float, default=None, help="reject utterances longer than this (seconds)")
+    p.add_argument("--min-duration-s", "--min-duration", dest="min_duration", type=float,
+                   default=DEFAULT_MIN_DURATION_S,
+                   help="reject utterances shorter than this, reason too_short in rejects.jsonl (seconds; 0 keeps "
+                        f"all; default: {DEFAULT_MIN_DURATION_S})")
+    p.add_argument("--max-duration-s", "--max-duration", dest="max_duration", type=float, default=None,
+                   help="reject utterances longer than this, reason too_long (seconds; default: no limit)")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
     p.add_argument("--engine", default="local", choices=("local", "ray"),
@@ -65,11 +79,12 @@ def _cmd_pack(args) -> int:
     try:
         cfg = PackConfig(
             input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
+            split=args.split, channels_policy=args.channels_policy,
             storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
             sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
             decode_check=not args.no_decode_check,
             target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
-            min_duration_s=args.min_duration, max_duration_s=args.max_duration, workers=args.workers,
+            min_duration_s=args.min_duration or None, max_duration_s=args.max_duration, workers=args.workers,
             strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
             engine=args.engine, ray_address=args.ray_address,
         )
@@ -87,7 +102,8 @@ def _cmd_pack(args) -> int:
     print(f"packed    {r.samples} samples, {r.hours:.3f} h, {r.shards} shards{state}, {r.bytes / 1e6:.1f} MB "
           f"-> {r.output}")
     print(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else ""))
-    print(f"speed     {r.wall_s:.1f} s wall (probe {r.probe_s:.1f} s, write {r.write_s:.1f} s): "
+    print(f"speed     {r.wall_s:.1f} s wall (scan {r.scan_s:.1f} s, plan {r.plan_s:.1f} s, write {r.write_s:.1f} s, "
+          f"commit {r.commit_s:.1f} s): "
           f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")
     if empty:
         print(f"pack: error: no utterance of {args.input} was accepted ({r.rejects} rejected: {rejects}); see "
