@@ -182,7 +182,7 @@ class Loader:
     def __init__(self, url: str, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
                  storage_options: dict | None = None):
         self.world, self.seed, self.cfg = world, seed, cfg
-        self.ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
+        self.ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http, budget_s=cfg.retry_budget_s)
         rows = sum(s.samples for s in self.ds.shards)
         if cfg.planner == "blocks" or (cfg.planner == "auto" and rows >= cfg.block_plan_min_rows):
             mi = open_mapped(self.ds, cfg.index_cache_dir or default_root(), text=cfg.check_transcripts)

@@ -101,7 +101,7 @@ class MixtureLoader(Loader):
         self.sources = parse_sources(sources)
         parts, indexes, rates = [], [], set()
         for url, _ in self.sources:
-            ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
+            ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http, budget_s=cfg.retry_budget_s)
             checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
             table = ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
             rates.update(np.unique(table.column("sample_rate_hz").to_numpy()).tolist())

@@ -30,6 +30,7 @@ trickling server ends in a TimeoutError that says which (`clock.describe()`), wi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import http.client
@@ -262,8 +263,10 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
             conn.sock.settimeout(clock.budget_s)  # a fallback only: the watchdog enforces the deadline
             clock.phase = "answer"
             clock.watch(conn)
+            conn.response_class = functools.partial(_ClockedResponse, clock=clock)
             conn.request("GET", f"{parts.path}?{parts.query}", headers={"Range": range_value})
             resp = conn.getresponse()
+            _raise_if_expired(clock, ConnectionError("cut by the watchdog"))  # headers cut short look complete
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
             _drop(parts, conn)
             _raise_if_expired(clock, e)
@@ -289,6 +292,38 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
             resigns += 1
             continue
         return parts, conn, resp
+
+
+class _ClockedIO(io.RawIOBase):
+    """The socket's reader, telling the clock every byte that arrives (status line and headers included, so a
+    trickle of headers is told from silence). One Python call per recv, like socket.SocketIO itself."""
+
+    def __init__(self, raw: Any, clock: ProgressClock):
+        super().__init__()
+        self.raw, self.clock = raw, clock
+
+    def readinto(self, b) -> int:
+        n = self.raw.readinto(b)
+        if n:
+            self.clock.got(n)
+        return n
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+class _ClockedResponse(http.client.HTTPResponse):
+    """An HTTPResponse whose socket reads go through `_ClockedIO` (set per request as the connection's
+    response_class)."""
+
+    def __init__(self, sock, debuglevel: int = 0, method: str | None = None, url: str | None = None, *,
+                 clock: ProgressClock):
+        super().__init__(sock, debuglevel, method, url)
+        self.fp = io.BufferedReader(_ClockedIO(self.fp.detach(), clock))
 
 
 def _raise_if_expired(clock: ProgressClock, e: BaseException) -> None:
@@ -357,7 +392,6 @@ def iter_range(path: str, storage_options: dict | None, fs_factory: FsFactory, s
                 break
             if left is not None:
                 left -= len(piece)
-            clock.got(len(piece))
             held = clock.hold()
             yield piece
             clock.resume(held)
