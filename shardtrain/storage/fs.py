@@ -36,7 +36,7 @@ import fsspec
 
 from shardtrain.storage import s3http
 from shardtrain.storage.retry import (RETRY_BUDGET_S, Backoff, CredentialsError, StorageUnavailable,  # noqa: F401
-                                      credentials_error, is_transient)
+                                      credentials_error, is_transient, refused_redirect)
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +113,17 @@ def join(url: str | os.PathLike, name: str) -> str:
 
 @contextlib.contextmanager
 def _credentials(url: str | os.PathLike):
-    """Missing or refused credentials, however deep the S3 stack raised them, leave as CredentialsError."""
+    """Missing or refused credentials (CredentialsError) and a refused redirect (PermissionError), however deep in
+    the S3 stack they were raised, leave as the OSErrors they are."""
     try:
         yield
     except CredentialsError:
         raise
     except Exception as e:  # noqa: BLE001 - botocore's credential errors are not OSErrors
-        cred = credentials_error(e, str(url))
-        if cred is None:
+        hopeless = credentials_error(e, str(url)) or refused_redirect(e, str(url))
+        if hopeless is None:
             raise
-        raise cred from e
+        raise hopeless from e
 
 
 def _call(fs: fsspec.AbstractFileSystem, method: str, *args, budget_s: float | None = None, **kw):

@@ -17,8 +17,15 @@ from typing import Any
 from aiobotocore.httpsession import AIOHTTPSession
 
 
+class RedirectRefused(PermissionError):
+    """The endpoint answered with a redirect (302/303/307/308); it was not followed. Not transient."""
+
+
 class _NoRedirect:
-    """An aiohttp ClientSession whose `request` never follows redirects (everything else delegated)."""
+    """An aiohttp ClientSession whose `request` never follows redirects (everything else delegated).
+
+    A 301 goes back to botocore, which answers S3's region redirects itself (re-signed for the region); any other
+    redirect raises RedirectRefused: left to botocore it would be retried in a loop until its recursion limit."""
 
     __slots__ = ("_session",)
 
@@ -27,9 +34,23 @@ class _NoRedirect:
 
     def request(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["allow_redirects"] = False
-        return self._session.request(*args, **kwargs)
+        return self._request(*args, **kwargs)
+
+    async def _request(self, method: str, url: Any = None, **kwargs: Any) -> Any:
+        resp = await self._session.request(method, url=url, **kwargs)
+        if resp.status in (302, 303, 307, 308):
+            from shardtrain.storage.redact import redact_url
+
+            location = resp.headers.get("Location", "-")
+            resp.release()
+            raise RedirectRefused(f"the endpoint redirected {method} to {redact_url(location)} (HTTP {resp.status}); "
+                                  f"not followed, so no signed request leaves the configured endpoint: set the "
+                                  f"endpoint to the final host")
+        return resp
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_session":  # not set yet (a copy made without __init__): no recursion
+            raise AttributeError(name)
         return getattr(self._session, name)
 
 

@@ -64,7 +64,8 @@ def _chain(e: BaseException):
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         yield e
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        wrapped = (getattr(e, "kwargs", None) or {}).get("error")  # botocore's HTTPClientError(error=...)
+        e = e.__cause__ or (wrapped if isinstance(wrapped, BaseException) else None) or e.__context__  # type: ignore[assignment]
 
 
 def credentials_error(e: BaseException, url: str = "") -> CredentialsError | None:
@@ -89,6 +90,14 @@ def credentials_error(e: BaseException, url: str = "") -> CredentialsError | Non
     return None
 
 
+def refused_redirect(e: BaseException, url: str = "") -> OSError | None:
+    """storage.noredirect's RedirectRefused from inside botocore's HTTPClientError, as an OSError naming `url`."""
+    for err in _chain(e):
+        if type(err).__name__ == "RedirectRefused":
+            return PermissionError(f"{url}: {err}" if url else str(err))
+    return None
+
+
 def _error_code(e: BaseException) -> str | None:
     resp = getattr(e, "response", None)
     if isinstance(resp, dict):
@@ -106,6 +115,8 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, s3http.HTTPStatusError):
         return e.transient
     if isinstance(e, (PERMANENT_ERRORS, StorageUnavailable)) or credentials_error(e) is not None:
+        return False
+    if refused_redirect(e) is not None:
         return False
     if isinstance(e, TRANSIENT_ERRORS):
         return True
