@@ -82,6 +82,10 @@ def credentials_error(e: BaseException, url: str = "") -> CredentialsError | Non
         if name in _MISSING:
             return CredentialsError(f"{where}no usable S3 credentials ({name}: {err}); {CREDENTIALS_HELP}")
         code = _error_code(err)
+        if code in ("403", "Forbidden"):  # a HEAD has no body to say why: bad keys or a policy, both refusals
+            return CredentialsError(f"{where}the server refused access (HTTP 403, no reason given): the S3 "
+                                    f"credentials are wrong or expired, or not allowed here (check the bucket "
+                                    f"policy); {CREDENTIALS_HELP} with keys this endpoint accepts")
         if code and _REFUSED.fullmatch(code) or (isinstance(err, PermissionError) and _REFUSED.search(str(err))):
             code = code or _REFUSED.search(str(err)).group(1)  # type: ignore[union-attr]
             what = ("the server denied access (AccessDenied): check the bucket policy, or"

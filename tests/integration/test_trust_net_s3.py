@@ -5,6 +5,7 @@ that takes an `s3://` URL fails at once, in one line naming what to set, when ke
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -160,6 +161,10 @@ def local_run(dataset, tmp_path_factory):
     return root
 
 
+INFO_LINE = re.compile(r"^\d\d:\d\d:\d\d \[rank\d+\] (INFO|DEBUG) ")
+"""A log record at INFO (e.g. transcribe's "loaded checkpoint"): not an error line. WARNING lines do count."""
+
+
 def _commands(url: str, corpus: Path, root: Path, tmp: Path) -> dict[str, list[str]]:
     train = ["train", "--pipeline", "tiny_cpu", "--max-steps", "1"] + [a for s in SMALL for a in ("--set", s)]
     return {
@@ -175,7 +180,8 @@ def _commands(url: str, corpus: Path, root: Path, tmp: Path) -> dict[str, list[s
 @pytest.mark.parametrize("case", ["missing", "refused"])
 def test_every_command_fails_at_once_in_one_line_without_usable_keys(s3, dataset, local_run, tmp_path, case):
     """No keys anywhere (options, environment, profile), or keys the server refuses: each command exits 1 within
-    seconds (no retry budget spent) with exactly one stderr line naming the variables and the profile option."""
+    seconds, without a retry (the old behaviour spent the 120 s budget; the time bound below leaves room for
+    importing torch on a loaded 2-core machine), with exactly one stderr line naming the variables and the profile option."""
     url, corpus = dataset
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(PYTHONPATH=str(ROOT), AWS_CONFIG_FILE=str(tmp_path / "none"),
@@ -195,9 +201,10 @@ def test_every_command_fails_at_once_in_one_line_without_usable_keys(s3, dataset
                 procs[n] = (time.monotonic() - t0, p.returncode, err)  # type: ignore[assignment]
     bad = []
     for name, (took, rc, err) in procs.items():  # type: ignore[misc]
-        lines = [ln for ln in err.splitlines() if ln.strip()]
+        lines = [ln for ln in err.splitlines() if ln.strip() and not INFO_LINE.match(ln)]
         ok = (rc == 1 and len(lines) == 1 and "AWS_ACCESS_KEY_ID" in lines[0] and "profile=" in lines[0]
-              and ("no usable S3 credentials" if case == "missing" else "refused") in lines[0] and took < 45)
+              and ("no usable S3 credentials" if case == "missing" else "refused") in lines[0]
+              and took < 90 and "retry" not in err)
         if not ok:
             bad.append(f"{name}: rc={rc} {took:.1f}s stderr={err[-1500:]!r}")
         print(f"\n{case} {name}: {took:.1f} s: {lines[-1][:160] if lines else ''}")
