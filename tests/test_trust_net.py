@@ -158,7 +158,8 @@ def test_refused_keys_raise_credentials_error_at_once(server):
     took, msg = _timed_failure(
         lambda: storage.read_bytes("s3://b/blob", _opts(f"http://127.0.0.1:{server.server_address[1]}", "badkey"),
                                    direct_http=True), storage.CredentialsError)
-    assert took < 10 and "InvalidAccessKeyId" in msg  # s3fs starts to sign the last try; no retries and "AWS_ACCESS_KEY_ID" in msg and "profile=" in msg, msg
+    # s3fs starts up to sign the last try (seconds on a loaded machine); no retries
+    assert took < 10 and "InvalidAccessKeyId" in msg and "AWS_ACCESS_KEY_ID" in msg and "profile=" in msg, msg
     assert "\n" not in msg and SECRET not in msg
 
 

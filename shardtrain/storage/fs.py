@@ -275,8 +275,8 @@ def iter_range(
     Each request covers up to `piece_bytes`. The read may go `budget_s` seconds without progress (storage.clock:
     64 KiB received or a response completed), waiting or retrying alike; a transient error (`is_transient`) is
     retried with jittered exponential backoff (`Backoff`, at most `retries` times in a row, when given), resuming
-    at the first byte not yet delivered. So a dropped connection costs at most one piece of re-transfer, an outage only its length, and never
-    a lost or duplicated byte. Hopeless errors (404, 403, other 4xx) and programming errors raise at once; a
+    at the first byte not yet delivered. So a dropped connection costs at most one piece of re-transfer, an
+    outage only its length, and never a lost or duplicated byte. Hopeless errors (404, 403, other 4xx) and programming errors raise at once; a
     spent budget raises StorageUnavailable naming the cause (refused, stall, trickle, the last error); missing or
     refused credentials raise CredentialsError. 8 MB pieces keep the per-request overhead (~1-5 ms on loopback S3)
     near 1% of transfer time. An object shorter than `end` raises EOFError, or with `allow_short` just ends (a

@@ -65,7 +65,8 @@ def _chain(e: BaseException):
         seen.add(id(e))
         yield e
         wrapped = (getattr(e, "kwargs", None) or {}).get("error")  # botocore's HTTPClientError(error=...)
-        e = e.__cause__ or (wrapped if isinstance(wrapped, BaseException) else None) or e.__context__  # type: ignore[assignment]
+        wrapped = wrapped if isinstance(wrapped, BaseException) else None
+        e = e.__cause__ or wrapped or e.__context__  # type: ignore[assignment]
 
 
 def credentials_error(e: BaseException, url: str = "") -> CredentialsError | None:

@@ -263,7 +263,7 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
             conn.sock.settimeout(clock.budget_s)  # a fallback only: the watchdog enforces the deadline
             clock.phase = "answer"
             clock.watch(conn)
-            conn.response_class = functools.partial(_ClockedResponse, clock=clock)
+            conn.response_class = functools.partial(_ClockedResponse, clock=clock)  # type: ignore[assignment]
             conn.request("GET", f"{parts.path}?{parts.query}", headers={"Range": range_value})
             resp = conn.getresponse()
             _raise_if_expired(clock, ConnectionError("cut by the watchdog"))  # headers cut short look complete

@@ -181,7 +181,8 @@ def _commands(url: str, corpus: Path, root: Path, tmp: Path) -> dict[str, list[s
 def test_every_command_fails_at_once_in_one_line_without_usable_keys(s3, dataset, local_run, tmp_path, case):
     """No keys anywhere (options, environment, profile), or keys the server refuses: each command exits 1 within
     seconds, without a retry (the old behaviour spent the 120 s budget; the time bound below leaves room for
-    importing torch on a loaded 2-core machine), with exactly one stderr line naming the variables and the profile option."""
+    importing torch on a loaded 2-core machine), with exactly one stderr line naming the variables and the
+    profile option."""
     url, corpus = dataset
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(PYTHONPATH=str(ROOT), AWS_CONFIG_FILE=str(tmp_path / "none"),
