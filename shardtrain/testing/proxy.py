@@ -16,6 +16,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +127,7 @@ class DropProxy:
         thread blocked in accept()/recv() on the same socket."""
         self._closed.set()
         with self._lock:
-            socks = [self._listener, *self._socks]
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+            _shutdown_all([self._listener, *self._socks])
         self._accept_thread.join(timeout=2)
         for t in self._threads:
             t.join(timeout=2)
@@ -183,14 +178,10 @@ class FaultProxy:
             if not hasattr(self, k) or k in ("fault", "until", "target", "requests"):
                 raise ValueError(f"unknown FaultProxy parameter {k!r}")
             setattr(self, k, v)
-        import time
-
         self.fault, self.until = fault, (time.monotonic() + for_s if for_s is not None else float("inf"))
         return self
 
     def _current(self) -> str:
-        import time
-
         return self.fault if time.monotonic() < self.until else "pass"
 
     def _accept_loop(self) -> None:
@@ -277,19 +268,23 @@ class FaultProxy:
     def close(self) -> None:
         self._closed.set()
         with self._lock:
-            socks = [self._listener, *self._socks]
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+            _shutdown_all([self._listener, *self._socks])
 
     def __enter__(self) -> "FaultProxy":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shutdown_all(socks: list[socket.socket]) -> None:
+    """shutdown() then close() each: close() alone does not wake a thread blocked in accept()/recv() on it."""
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
 
 
 def _read_head(sock: socket.socket) -> tuple[bytes | None, bytes]:
@@ -337,11 +332,7 @@ class RecordingServer:
                     pass
 
     def close(self) -> None:
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        _shutdown_all([self._listener])
 
     def __enter__(self) -> "RecordingServer":
         return self
