@@ -146,7 +146,10 @@ def test_clock_counts_progress_in_units():
     c.got(1)
     assert c.pending == 0 and c.mark >= m0
     c.got(5)
-    assert "trickle" in ProgressClock("x", 1.0).describe() or True
+    assert c.describe().startswith("trickle: 5 bytes")
+    silent = ProgressClock("x", 1.0)
+    silent.expired, silent.phase = True, "answer"
+    assert silent.describe() == "stall: no byte for 1 s (connected, waiting for an answer)"
     t = c.hold()
     time.sleep(0.05)
     before = c.mark
