@@ -40,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # missing/refused S3 credentials from any command: one line naming what to set
+        from shardtrain.storage import credentials_error
+
+        if (cred := credentials_error(e)) is None:
+            raise
+        print(f"{args.command}: error: {cred}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

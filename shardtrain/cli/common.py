@@ -96,7 +96,9 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
     register_secret(env.get("AWS_SECRET_ACCESS_KEY"))
     register_secret(env.get("AWS_SESSION_TOKEN"))
     register_secret(env.get("AWS_ACCESS_KEY_ID"), 12)
-    return out
+    from shardtrain.storage.redact import StorageOptions
+
+    return StorageOptions(out)  # its repr masks the secrets in every config, lock or dataset that holds it
 
 
 def _one_line(e: BaseException) -> str:

@@ -89,6 +89,8 @@ class Dataset:
     storage_options: dict | None = field(default=None, repr=False)
     direct_http: bool = field(default=False, repr=False)
     """Read S3 metadata through presigned URLs (storage.open_ranged) instead of s3fs."""
+    budget_s: float = field(default=storage.RETRY_BUDGET_S, repr=False)
+    """Time a metadata read may go without progress (the loader passes stream.retry_budget_s)."""
 
     def shard_url(self, i: int) -> str:
         return storage.join(self.url, self.shards[i].name)
@@ -104,7 +106,8 @@ class Dataset:
         a row out of range, overlapping another or sized past its duration raises DatasetError.
         """
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset/compute/acero (~30 ms) for nothing
-        with storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http) as f:
+        with storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http,
+                                 budget_s=self.budget_s) as f:
             try:
                 table = pq.ParquetFile(f).read(columns=list(columns) if columns is not None else None)
             except (pa.ArrowException, OSError, ValueError, KeyError) as e:
@@ -120,7 +123,8 @@ class Dataset:
         return dict(self.manifest["totals"])
 
 
-def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: bool = False) -> Dataset:
+def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: bool = False,
+                 budget_s: float = storage.RETRY_BUDGET_S) -> Dataset:
     """Open a dataset folder/prefix. Reads only manifest.json (a few KB per 1,000 shards).
 
     The manifest is untrusted input: it is parsed with bounds and checked (format.validate) so that every shard
@@ -132,7 +136,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
     url = str(url).rstrip("/")
     murl = storage.join(url, MANIFEST)
     try:
-        raw = storage.read_bytes(murl, storage_options, direct_http=direct_http)
+        raw = storage.read_bytes(murl, storage_options, direct_http=direct_http, budget_s=budget_s)
     except FileNotFoundError:
         raise DatasetError(
             f"incomplete dataset: no manifest.json at {url}; re-run `shardtrain pack` (it resumes)"
@@ -147,7 +151,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
         )
     shards = [ShardInfo(**s) for s in check_manifest(manifest, murl)]
     return Dataset(url=url, manifest=manifest, shards=shards, storage_options=storage_options,
-                   direct_http=direct_http)
+                   direct_http=direct_http, budget_s=budget_s)
 
 
 ROW_GROUP = 1 << 17
