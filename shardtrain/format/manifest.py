@@ -18,7 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardtrain import storage
-from shardtrain.format.validate import DatasetError, check_index, check_manifest, parse_manifest, show
+from shardtrain.format.indexread import check_footer, dictionary_columns, read_bounded
+from shardtrain.format.validate import (RELATED_COLUMNS, DatasetError, check_index, check_manifest, parse_manifest,
+                                        show)
 
 FORMAT = "shardtrain"
 FORMAT_VERSION = 1
@@ -103,16 +105,30 @@ class Dataset:
         Every column read is checked against the manifest (format.validate.check_index) before it is returned:
         a row out of range, overlapping another or sized past its duration raises DatasetError.
         """
+        wanted = list(columns) if columns is not None else None
+        cols = wanted
+        if wanted is not None and set(wanted) & set(RELATED_COLUMNS):  # checked against each other: read all three
+            cols = wanted + [c for c in RELATED_COLUMNS if c not in wanted]
+        rows = sum(s.samples for s in self.shards)
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset/compute/acero (~30 ms) for nothing
         with storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http) as f:
             try:
-                table = pq.ParquetFile(f).read(columns=list(columns) if columns is not None else None)
+                pf = pq.ParquetFile(f)
+                if cols is None:
+                    cols = list(pf.schema_arrow.names)
+                check_footer(pf, rows, cols, self.index_url)  # before a single row is read
+                have = set(pf.schema_arrow.names)
+                cols = [c for c in cols if c in have or wanted is None or c in wanted]  # extras only if present
+                pf = pq.ParquetFile(f, metadata=pf.metadata, read_dictionary=dictionary_columns(pf.schema_arrow))
+                table = read_bounded(pf, cols, self.index_url)
             except (pa.ArrowException, OSError, ValueError, KeyError) as e:
                 if isinstance(e, FileNotFoundError):
                     raise
                 raise DatasetError(f"{self.index_url}: not a readable index ({type(e).__name__}: "
                                    f"{str(e)[:200]!r})") from None
         check_index(table, [s.bytes for s in self.shards], [s.samples for s in self.shards])
+        if wanted is not None and cols != wanted:
+            table = table.select([c for c in wanted if c in table.column_names])
         return table
 
     @property
