@@ -149,10 +149,10 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
     murl = storage.join(url, MANIFEST)
     try:
         raw = storage.read_bytes(murl, storage_options, direct_http=direct_http)
-    except FileNotFoundError:
-        raise DatasetError(
-            f"incomplete dataset: no manifest.json at {url}; re-run `shardtrain pack` (it resumes)"
-        ) from None
+    except (FileNotFoundError, NotADirectoryError):
+        from shardtrain.format.locate import missing_manifest_message
+
+        raise DatasetError(missing_manifest_message(url, storage_options)) from None
     manifest = parse_manifest(raw, murl)
     if manifest.get("format") != FORMAT:
         raise DatasetError(f"{murl}: not a shardtrain manifest (format={show(manifest.get('format'))})")
