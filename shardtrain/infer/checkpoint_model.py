@@ -62,7 +62,11 @@ def _lightning_checkpoint(root: Path, which: str) -> Path | None:
         return min(scored)[2]
     if (root / "last.ckpt").is_file():
         return root / "last.ckpt"
-    return max(ckpts, key=lambda c: (int(m.group(1)) if (m := _PL_STEP.search(c.name)) else -1, c.stat().st_mtime))
+    def order(c: Path) -> tuple[int, float]:
+        m = _PL_STEP.search(c.name)
+        return (int(m.group(1)) if m else -1, c.stat().st_mtime)
+
+    return max(ckpts, key=order)
 
 
 def find_checkpoint(path: str | Path, which: str = "latest") -> Path:

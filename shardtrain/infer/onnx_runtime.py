@@ -60,7 +60,7 @@ def tokenizer_decoder(d: dict) -> Any:
 def greedy_ids(log_probs: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     """Best path per utterance: argmax per frame, collapse repeats, drop blanks."""
     best = np.asarray(log_probs).argmax(axis=-1)
-    out = []
+    out: list[list[int]] = []
     for row, n in zip(best, np.asarray(lengths).tolist()):
         row = row[: int(n)]
         if len(row) == 0:
