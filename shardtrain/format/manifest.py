@@ -103,7 +103,11 @@ class Dataset:
         """index.parquet as a pyarrow Table; `columns` projects (only those column chunks are read).
 
         Every column read is checked against the manifest (format.validate.check_index) before it is returned:
-        a row out of range, overlapping another or sized past its duration raises DatasetError.
+        a row out of range, overlapping another or sized past its duration raises DatasetError. Before any row is
+        read, the footer is checked (rows, column types, chunk sizes: format.indexread), and strings are read
+        dictionary-encoded and length-checked before they are expanded, so a crafted index cannot make this
+        allocate more than its rows x the per-column bounds. Asking for one of duration_s/num_samples/
+        sample_rate_hz reads all three (they are checked against each other; ~8 bytes a row more).
         """
         wanted = list(columns) if columns is not None else None
         cols = wanted

@@ -6,9 +6,12 @@
                       offsets/sizes inside the shard and non-overlapping, durations, rates, sample counts)
 
 A dataset URL is often someone else's bucket, so every name that is joined onto the dataset URL must match the
-format's patterns (`shard-NNNNNN.tar`, `<name>.parquet`): no `/`, no `..`, no scheme, so every path stays inside
-the dataset. Every byte count is bounded before a reader allocates by it, and every count that sizes a buffer
-(num_samples, audio_size) is bounded by the row's duration. A violation is one `DatasetError` naming the file,
+format's patterns (`shard-NNNNNN.tar`, `<name>.parquet`) as whole strings (fullmatch: `$` accepts a trailing
+newline): no `/`, no `..`, no scheme, so every path stays inside the dataset. Every byte count is bounded before a
+reader allocates by it, and every count that sizes a buffer is tied to the row's duration: num_samples must be
+duration_s x sample_rate_hz (1% + 1 ms; the planner budgets durations, the reader allocates sample counts), and
+audio_size within what a codec stores for it. The index file itself (footer, string lengths) is bounded before it
+is read: format/indexread.py. A violation is one `DatasetError` naming the file,
 the field and the (escaped, shortened) value, raised when the dataset is opened or its index read, before any
 shard byte is read.
 
