@@ -39,6 +39,9 @@ MAX_ROW_GROUPS = 1 << 20
 
 
 def _is_string(t: pa.DataType) -> bool:
+    """A string column, or one a writer stored with an Arrow dictionary type over strings."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
@@ -87,7 +90,7 @@ def _bounded_strings(col: pa.ChunkedArray, name: str, where: str) -> pa.ChunkedA
     import pyarrow.compute as pc
 
     dictionary = pa.types.is_dictionary(col.type)
-    if not dictionary and not _is_string(col.type):
+    if not _is_string(col.type):
         return col
     limit, mean = _string_bound(name), MEAN_STRING_BYTES.get(name, OTHER_STRING_BYTES)
     total = 0
