@@ -39,7 +39,6 @@ from tqdm import tqdm
 
 from shardtrain import storage
 from shardtrain.format.manifest import Dataset
-from shardtrain.format.indexread import check_footer, dictionary_columns, read_bounded
 from shardtrain.format.validate import DatasetError, check_index
 from shardtrain.load.blockplan import Blocks, make_blocks
 from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex, cost_s
@@ -163,13 +162,11 @@ def _build(ds: Dataset, folder: Path, *, text: bool) -> None:
             pf = pq.ParquetFile(f)
             if pf.metadata.num_rows != rows:
                 raise DatasetError(f"{ds.index_url}: {pf.metadata.num_rows} rows, the manifest's shards hold {rows}")
-            cols = list(PLAN_COLUMNS) + ["sample_rate_hz", *strings]
-            check_footer(pf, rows, cols, ds.index_url)  # sizes bounded before a row group is read
             w = _Writer(tmp, rows, pf.schema_arrow, strings)
             check = _WholeIndexCheck(ds)
-            pf = pq.ParquetFile(f, metadata=pf.metadata, read_dictionary=dictionary_columns(pf.schema_arrow))
+            cols = list(PLAN_COLUMNS) + ["sample_rate_hz", *strings]
             for g in tqdm(range(pf.num_row_groups), desc="index -> memory map", unit="group", disable=None):
-                table = read_bounded(pf, cols, ds.index_url, row_group=g)
+                table = pf.read_row_group(g, columns=cols)
                 check_index(table, [s.bytes for s in ds.shards], None, w.at)
                 check.add(table, w.at)
                 w.add(table)
