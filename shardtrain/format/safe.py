@@ -3,8 +3,8 @@
 A dataset, a transcript or a file name is someone else's bytes: an ESC sequence in one can move the cursor,
 rewrite earlier lines, set the window title or hide text on the terminal of whoever inspects it. `printable`
 keeps ordinary text (any script, any printable Unicode) as it is and escapes the rest the way Python does
-(`\\x1b`, `\\n`, `\\u202e`), so what is shown is what is there. Cost: one str.isprintable() per string (~50 ns
-for short ASCII text); only non-printable strings pay for the escape.
+(`\\x1b`, `\\n`, `\\u202e`), so what is shown is what is there. Cost: one str.isprintable() per string (~1 us
+for a 50-character line, measured on a loaded 2-core box); only non-printable strings pay for the escape (~12 us).
 """
 from __future__ import annotations
 
