@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from shardtrain.format.codecs import CODECS
-from shardtrain.cli.common import _CREDS_HELP, _one_line, _parse_storage_options
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, report_error
+from shardtrain.format.safe import printable, printable_lines
 
 
 # ---- pack (owner: pack) -------------------------------------------------------------------------
@@ -90,8 +91,7 @@ def _cmd_pack(args) -> int:
         )
         r = pack(cfg)
     except (ValueError, PackError) as e:
-        print(f"pack: error: {e}", file=sys.stderr)
-        return 2
+        return report_error("pack", e)
     empty = r.samples == 0  # a dataset with nothing in it is a failed pack, not a success to find out about later
     if args.json:
         print(json.dumps(r.to_dict(), sort_keys=True))
@@ -100,14 +100,14 @@ def _cmd_pack(args) -> int:
     state = " (already complete; nothing written)" if r.already_complete else \
         f" ({r.shards_written} written by this run)" if r.shards_written != r.shards else ""
     print(f"packed    {r.samples} samples, {r.hours:.3f} h, {r.shards} shards{state}, {r.bytes / 1e6:.1f} MB "
-          f"-> {r.output}")
-    print(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else ""))
+          f"-> {printable(r.output)}")
+    print(printable(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else "")))
     print(f"speed     {r.wall_s:.1f} s wall (scan {r.scan_s:.1f} s, plan {r.plan_s:.1f} s, write {r.write_s:.1f} s, "
           f"commit {r.commit_s:.1f} s): "
           f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")
     if empty:
-        print(f"pack: error: no utterance of {args.input} was accepted ({r.rejects} rejected: {rejects}); see "
-              f"{r.output}/rejects.jsonl for each reason", file=sys.stderr)
+        print(printable(f"pack: error: no utterance of {args.input} was accepted ({r.rejects} rejected: {rejects}); see "
+              f"{r.output}/rejects.jsonl for each reason"), file=sys.stderr)
         return 1
     return 0
 
@@ -129,31 +129,24 @@ def _add_inspect(sub) -> None:
 def _cmd_inspect(args) -> int:
     import json
 
-    from shardtrain.format.manifest import DatasetError, open_dataset
+    from shardtrain.format.manifest import open_dataset
     from shardtrain.pack.verify import format_inspect, inspect, problems_to_dicts, verify
 
-    try:
-        ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
-        summary = inspect(ds)
-    except DatasetError as e:
-        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except OSError as e:  # storage refused or unreachable: one line naming the URL
-        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+    ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)  # errors: cli.app.main
+    summary = inspect(ds)
     problems = verify(ds, progress=not args.no_progress) if args.verify else None
     if args.json:
         if problems is not None:
             summary["problems"] = problems_to_dicts(problems)
         print(json.dumps(summary, sort_keys=True))
     else:
-        print(format_inspect(summary))
+        print(printable_lines(format_inspect(summary)))
         if problems is not None:
             print()
             print(f"verify    {len(ds.shards)} shards, {summary['totals']['samples']} samples: "
                   + ("OK" if not problems else f"{len(problems)} problems"))
             for p in problems:
-                print(f"  {p}")
+                print(f"  {printable(p)}")
     return 1 if problems else 0
 
 

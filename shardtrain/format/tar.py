@@ -21,7 +21,7 @@ from typing import BinaryIO, Iterator
 from shardtrain.format.codecs import CODECS
 
 BLOCK = 512
-KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
+KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,80}\Z")  # \Z: whole string (`$` accepts a trailing newline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,7 @@ class ShardWriter:
         return at
 
     def add(self, key: str, ext: str, audio: bytes, meta_json: bytes) -> MemberOffsets:
-        if not KEY_RE.match(key):
+        if not KEY_RE.fullmatch(key):
             raise ValueError(f"shard key {key!r} must match [A-Za-z0-9_-]{{1,80}}")
         if ext not in CODECS:
             raise ValueError(f"audio extension {ext!r} not in {CODECS}")

@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from shardtrain import faults, storage
+from shardtrain.format.safe import printable
 
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train import elastic
@@ -435,7 +436,7 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     for name, s in res["sets"].items():
         for ref, hyp in s["examples"]:
             head = f"step {run.step}  {name} "
-            log.info("%sref: %s\n%shyp: %s", head, ref, " " * len(head), hyp)
+            log.info("%sref: %s\n%shyp: %s", head, printable(ref), " " * len(head), printable(hyp))
             metrics.text(f"val/{name}/example", f"REF: {ref}  \nHYP: {hyp}", run.step)
         log.info("step %d: %s  val_loss %.4f  CER %.2f%%  WER %.2f%%  (%d utterances, %.0f s)", run.step, name,
                  s["loss"], 100 * s["cer"], 100 * s["wer"], s["utts"], s["audio_s"])
