@@ -203,7 +203,7 @@ def test_every_command_fails_at_once_in_one_line_without_usable_keys(s3, dataset
     bad = []
     for name, (took, rc, err) in procs.items():  # type: ignore[misc]
         lines = [ln for ln in err.splitlines() if ln.strip() and not INFO_LINE.match(ln)]
-        ok = (rc == 1 and len(lines) == 1 and "AWS_ACCESS_KEY_ID" in lines[0] and "profile=" in lines[0]
+        ok = (rc == 2 and len(lines) == 1 and "AWS_ACCESS_KEY_ID" in lines[0] and "profile=" in lines[0]
               and ("no usable S3 credentials" if case == "missing" else "refused") in lines[0]
               and took < 90 and "retry" not in err)
         if not ok:
