@@ -9,7 +9,8 @@ Several validation sets (valsets.py) are evaluated one after the other, each ove
 stripe). Each reports its own loss / CER / WER; the overall `val_loss`, `cer`, `wer` (best-checkpoint selection
 reads val_loss) are pooled over every set: total loss / total target tokens, total character edits / total
 reference characters, total word edits / total reference words. So a set weighs by its size (in tokens, characters,
-words), exactly as if the sets were one set; with one set they are that set's figures.
+words), exactly as if the sets were one set; with one set they are that set's figures. References and hypotheses
+are compared after the tokenizer's normaliser (train/normalize.py), the one its targets were encoded with.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _evaluate_set(model: torch.nn.Module, cfg: RunConfig, vs: ValSet, world: Wor
             with autocast(tc, device):
                 loss_sum, outputs, out_lengths = model(feats, feat_lengths, targets, target_lengths)
             hyps = [tok.decode(ids) for ids in cast(SpeechModel, model).decode(outputs, out_lengths)]
-            for k, v in error_counts(batch.texts, hyps).items():
+            for k, v in error_counts(batch.texts, hyps, tok.normalizer).items():
                 sums[k] += v
             sums["loss"] += float(loss_sum)
             sums["tokens"] += float(target_lengths.sum())
