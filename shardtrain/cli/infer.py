@@ -74,7 +74,8 @@ def _resolve_inputs(urls: list[str], args, storage_options: dict | None) -> list
         try:
             fmt = resolve_format(url, args.source_format, storage_options)
         except (ValueError, OSError) as e:
-            raise ValueError(f"{url}: {' '.join(str(e).split())}") from None
+            raise ValueError(f"{url}: not a packed dataset (no manifest.json), nor an input `pack` reads: "
+                             f"{' '.join(str(e).split())}") from None
         if local and fmt in ("dir", "librispeech"):
             out.append(str(path))
             continue

@@ -142,12 +142,9 @@ def reference_for(path: Path, cache: dict[Path, dict[str, str]]) -> str | None:
             if p.suffix.lower() in REFERENCE_EXTS and not p.name.endswith(".trans.txt"):
                 lines[f"\0{p.stem}"] = p.name
         cache[folder] = lines
-    name = cache[folder].get(f"\0{path.stem}")
-    if name is not None:
-        text = _read_small(folder / name)
-        if text is not None:
-            return normalize_text(text)
-    return cache[folder].get(path.stem)
+    own = cache[folder].get(f"\0{path.stem}")
+    found = _read_small(folder / own) if own is not None else None
+    return normalize_text(found) if found is not None else cache[folder].get(path.stem)
 
 
 def folder_source(root: Path) -> UtteranceSource:
@@ -197,8 +194,9 @@ class Transcriber:
                 batches, total_s, name = self._dataset_batches(src), self._dataset_seconds(src), src
             else:
                 name = src.name
-                yield from (self._error(name, key, *reason.split(": ", 1)) if ": " in reason
-                            else self._error(name, key, reason, "") for key, reason in src.rejects)
+                for key, reason in src.rejects:
+                    code, _, detail = reason.partition(": ")
+                    yield self._error(name, key, code, detail)
                 if not src.items:
                     yield self._error(name, name, "no_audio", f"no readable {'/'.join(AUDIO_EXTS)} files, and no "
                                                               "manifest.json (not a dataset)")

@@ -55,7 +55,7 @@ class TextNormConfig:
     def apply(self, text: str) -> str:
         """The normalised transcript (see the module docstring for the order of the steps)."""
         if self.unicode:
-            text = unicodedata.normalize(self.unicode, text)
+            text = unicodedata.normalize(self.unicode, text)  # type: ignore[arg-type]  # checked in __post_init__
         if self.case == "lower":
             text = text.lower()
         elif self.case == "upper":
