@@ -137,6 +137,7 @@ def probe(u: Utterance, storage_options: dict | None = None) -> Probe:
 
 def _blocks(snd: sf.SoundFile, p: Probe, limit: int) -> Iterator[np.ndarray]:
     """Mono float32 blocks of the segment, at most `limit` frames in all, stopping at the real end of the data."""
+    done = 0
     try:
         if p.start_frame:
             snd.seek(p.start_frame)
@@ -146,10 +147,15 @@ def _blocks(snd: sf.SoundFile, p: Probe, limit: int) -> Iterator[np.ndarray]:
             if not len(x):
                 return
             yield x[:, 0].copy() if x.shape[1] == 1 else x.mean(axis=1, dtype=np.float32)
+            done += len(x)
             left -= len(x)
             if len(x) < min(BLOCK_FRAMES, left + len(x)):
                 return  # a short read: the data ended before the header said it would
     except SF_ERRORS as e:
+        # libsndfile reads past the real end of a file whose header claims more frames than it holds, then fails
+        if p.start_frame + done < snd.frames:
+            raise AudioError("header_mismatch", f"{snd.name}: the header claims {snd.frames} frames, decoding failed "
+                                                f"after {p.start_frame + done} ({e})") from e
         raise AudioError("unreadable_audio", f"{snd.name}: {e}") from e
 
 
