@@ -87,6 +87,26 @@ def test_commonvoice_folder_is_read_like_pack_reads_it(run_dir, tmp_path):
     assert got["utterances"] == 3 and got["failed"] == 0
 
 
+def test_hugging_face_dataset_is_read_through_byte_ranges(run_dir, tmp_path):
+    import io
+
+    import datasets
+
+    def wav(i: int) -> bytes:
+        b = io.BytesIO()
+        sf.write(b, _noise(1.0 + i / 4, i), 16000, format="WAV")
+        return b.getvalue()
+
+    ds = datasets.Dataset.from_dict({"audio": [{"bytes": wav(i), "path": f"a{i}.wav"} for i in range(2)],
+                                     "text": ["Hello there", "WORLD"]})
+    ds.cast_column("audio", datasets.Audio(decode=False)).save_to_disk(str(tmp_path / "hf"))
+    out = tmp_path / "hyp.jsonl"
+    assert main(["transcribe", str(run_dir), str(tmp_path / "hf"), "--out", str(out), "--no-progress"]) == 0
+    rows = sorted(_rows(out), key=lambda r: r["key"])
+    assert [r["reference"] for r in rows] == ["Hello there", "WORLD"]
+    assert [r["duration_s"] for r in rows] == pytest.approx([1.0, 1.25])
+
+
 def test_evaluate_never_scores_nothing(run_dir, tmp_path, capsys):
     bare = tmp_path / "bare"  # audio without transcripts
     bare.mkdir()
