@@ -167,18 +167,27 @@ def test_long_audio_runs_window_by_window(run_dir, tmp_path):
     tm = load_trained(run_dir)
     widths: list[int] = []
     hook = tm.model.register_forward_pre_hook(lambda _m, args: widths.append(int(args[0].shape[1])))
+    from shardtrain.pack import PackConfig, pack
+
+    (tmp_path / "m.tsv").write_text(f"path\ttext\n{long}\tlong one\n")
+    pack(PackConfig(input=str(tmp_path / "m.tsv"), output=str(tmp_path / "data"), progress=False))
     try:
         rows, errors = transcribe(tm, [str(long)], TranscribeConfig(progress=False))
         default_max = max(widths)
         widths.clear()
         rows10, _ = transcribe(tm, [str(long)], TranscribeConfig(progress=False, window_seconds=10.0))
+        windows10 = list(widths)
+        widths.clear()
+        packed, _ = transcribe(tm, [str(tmp_path / "data")], TranscribeConfig(progress=False, window_seconds=10.0))
     finally:
         hook.remove()
     hop = tm.config.features.hop_length
     assert not errors and len(rows) == 1 and rows[0]["duration_s"] == pytest.approx(75.0)
     assert default_max <= 30 * 16000 // hop + 2  # default window 30 s: never the whole 75 s at once
-    assert len(widths) == 8 and max(widths) <= 10 * 16000 // hop + 2  # 75 s in 10 s windows
+    assert len(windows10) == 8 and max(windows10) <= 10 * 16000 // hop + 2  # 75 s in 10 s windows
     assert rows10[0]["duration_s"] == pytest.approx(75.0)
+    assert len(widths) == 8 and max(widths) <= 10 * 16000 // hop + 2  # the same from a packed dataset
+    assert packed[0]["text"] == rows10[0]["text"] and packed[0]["duration_s"] == pytest.approx(75.0)
 
 
 def test_markdown_cells_are_escaped():

@@ -9,7 +9,9 @@
            *padded* audio -> decoded block by block (audio_in.read) -> one forward pass per batch
         -> long ones: decoded and run window by window (audio_in.windows), frame-level best paths concatenated,
            then collapsed (greedy CTC over the whole file): memory is one window, whatever the file's length
-      datasets: the training loader itself (one epoch, one rank, every utterance), texts = references
+      datasets: the training loader itself (one epoch, one rank, every utterance), texts = references; an
+           utterance longer than window_seconds (decoded whole by the loader: its samples, bounded by what pack
+           admitted) goes through the model window by window as well
       -> one row per utterance: {key, text, duration_s, source[, reference, cer]} or {key, source, error}
 
 Rows come in processing order (per input, shortest first within a sample rate), not input order: sorting by
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -252,23 +255,28 @@ class Transcriber:
             yield self._windowed(src.name, f.utt, f.rate_hz)
 
     def _windowed(self, source: str, u: Utterance, rate_hz: int) -> dict:
-        """One long utterance, window by window: per-frame best ids concatenated, then one CTC collapse."""
+        """One long utterance read from its file window by window (one window of samples in memory)."""
+        win = windows(u, max(1, int(self.cfg.window_seconds * rate_hz)), self.cfg.storage_options)
+        return self._windowed_row(source, u.key, u.reference, win, u)
+
+    def _windowed_row(self, source: str, key: str, ref: str | None, win: Iterator[tuple[np.ndarray, int]],
+                      u: Utterance | None = None) -> dict:
+        """Per-frame best ids of each window concatenated, then one CTC collapse: greedy CTC over the whole."""
         best: list[torch.Tensor] = []
-        samples, rate = 0, 0
+        samples, rate = 0, 1
         try:
-            for x, rate in windows(u, max(1, int(self.cfg.window_seconds * rate_hz)), self.cfg.storage_options):
+            for x, rate in win:
                 lp, ol = self.tm.log_probs(torch.from_numpy(x)[None], torch.tensor([len(x)]), rate)
                 best.append(lp[0, : int(ol[0])].argmax(dim=-1).cpu())
                 samples += len(x)
         except AudioError as e:
-            return self._error(source, u.key, e.reason, str(e).split(": ", 1)[-1], u)
+            return self._error(source, key, e.reason, str(e).split(": ", 1)[-1], u)
         except RuntimeError as e:  # the model failed on a window (out of memory, ...): this utterance only
-            return self._error(source, u.key, "model_failed", f"{type(e).__name__}: {e}", u)
+            return self._error(source, key, "model_failed", f"{type(e).__name__}: {e}", u)
         if not samples:
-            return self._error(source, u.key, "empty_audio", f"{u.audio}: no samples decoded", u)
+            return self._error(source, key, "empty_audio", "no samples decoded", u)
         ids = torch.unique_consecutive(torch.cat(best)).tolist() if best else []
-        return self._row(u.key, u.reference, self.tm.tokenizer.decode([i for i in ids if i != BLANK]),
-                         samples / rate, source)
+        return self._row(key, ref, self.tm.tokenizer.decode([i for i in ids if i != BLANK]), samples / rate, source)
 
     # ---- datasets ---------------------------------------------------------------------------------------------
     def _dataset_seconds(self, url: str) -> float:
@@ -300,6 +308,13 @@ class Transcriber:
 
     # ---- rows -------------------------------------------------------------------------------------------------
     def _run(self, b: AudioBatch) -> Iterator[dict]:
+        win = max(1, int(self.cfg.window_seconds * b.rate_hz))
+        if int(b.lengths.max()) > win:  # a dataset's long utterance (decoded whole by the loader): windows too
+            for i, (key, ref) in enumerate(zip(b.keys, b.refs)):
+                wave = b.waves[i, : int(b.lengths[i])].float().contiguous()
+                yield self._windowed_row(b.source, key, ref, ((wave[s:s + win].numpy(), b.rate_hz)
+                                                              for s in range(0, len(wave), win)))
+            return
         try:
             hyps = self.tm.transcribe(b.waves, b.lengths, b.rate_hz)
         except RuntimeError as e:  # out of memory, ...: every utterance of the batch is recorded, the run goes on
