@@ -54,6 +54,7 @@ def _resolve_inputs(urls: list[str], args, storage_options: dict | None) -> list
     from pathlib import Path
 
     from shardtrain import storage
+    from shardtrain.format.manifest import shard_name
     from shardtrain.infer.audio_in import Utterance
     from shardtrain.infer.transcribe import AUDIO_EXTS, UtteranceSource, is_dataset
     from shardtrain.pack.sources import Reject, iter_items, resolve_format
@@ -68,7 +69,7 @@ def _resolve_inputs(urls: list[str], args, storage_options: dict | None) -> list
         if local and path.is_file() and path.suffix.lower() in AUDIO_EXTS:
             out.append(str(path))
             continue
-        if local and path.is_dir() and any((path / n).exists() for n in ("index.parquet", "shard-000000.tar")):
+        if local and path.is_dir() and any((path / n).exists() for n in ("index.parquet", shard_name(0))):
             raise ValueError(f"{url}: a dataset whose pack has not finished (shards but no manifest.json); "
                              "re-run the same `shardtrain pack` command to finish it (it resumes)")
         try:

@@ -65,7 +65,7 @@ def _evaluate_set(model: torch.nn.Module, cfg: RunConfig, vs: ValSet, world: Wor
             sums["tokens"] += float(target_lengths.sum())
             sums["utts"] += len(batch)
             sums["audio_s"] += float(batch.durations_s.sum())
-            examples.extend(zip(batch.texts, hyps))
+            examples.extend(zip(map(tok.normalizer.apply, batch.texts), hyps))  # the reference as scored
     finally:
         getattr(batches, "close", lambda: None)()  # stops the loader's prefetch after an early break
     sums["skipped"] = float(loader.stats().get("skipped", 0))
@@ -79,7 +79,7 @@ def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmente
 
     Uses the unwrapped model (no DDP collectives) and features without augmentation. Returns {val_loss, cer, wer,
     val_chars, examples, sets: {name: {SET_KEYS..., examples}}}; examples are this rank's first `val_examples`
-    (reference, hypothesis) pairs of each set.
+    (normalised reference, hypothesis) pairs of each set.
     """
     sets = val_sets(cfg.train)
     local: list[float] = []
