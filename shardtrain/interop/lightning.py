@@ -20,7 +20,7 @@ token counts instead.
 Use it from Lightning (CPU or GPU, any number of devices):
 
     dm = ShardDataModule("shards/train", "shards/dev", stream=cfg.stream, seed=0)
-    module = CTCLightningModule(cfg, CharVocab.from_index("shards/train").to_json())
+    module = CTCLightningModule(cfg, CharVocab.from_index("shards/train", normalizer=cfg.text).to_json())
     trainer = build_trainer(cfg, "runs/pl", accelerator="auto", devices=2, strategy="ddp")
     trainer.fit(module, datamodule=dm)                       # add ckpt_path="runs/pl/checkpoints/last.ckpt"
 """
