@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 
 from shardtrain.train.augment import AugmentConfig
+from shardtrain.train.budget import BudgetConfig
 from shardtrain.train.features import FeatureConfig
 from shardtrain.train.model import ModelConfig
 from shardtrain.train.valsets import val_sets
@@ -140,3 +141,5 @@ class RunConfig:
     features: FeatureConfig = field(default_factory=FeatureConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """Per-bucket batch budgets (`--batch-budget`), their closed loop, and OOM splitting (train/budget.py)."""
