@@ -42,7 +42,7 @@ def epoch_keys(url, cache, ws, state=None, stop=None, **kw):
     out, states = [], []
     for r in range(ws):
         loader = build_loader(url, world=World(rank=r, world_size=ws), seed=3, cfg=cfg(cache, **kw), state=state)
-        assert loader.planner == "blocks"
+        assert loader.planner.name == "blocks"
         got, st = [], state
         for batch, st in loader:
             assert float(batch.durations_s.sum()) <= BUDGET + 1e-9
@@ -96,7 +96,7 @@ def test_resume_refuses_a_state_of_the_other_planner(dataset, tmp_path):
 def test_auto_switches_to_blocks_at_the_row_threshold(dataset, tmp_path):
     small = build_loader(dataset, world=World(), seed=0, cfg=cfg(tmp_path, planner="auto", block_plan_min_rows=91))
     big = build_loader(dataset, world=World(), seed=0, cfg=cfg(tmp_path, planner="auto", block_plan_min_rows=90))
-    assert (small.planner, big.planner) == ("rows", "blocks")
+    assert (small.planner.name, big.planner.name) == ("rows", "blocks")
     assert small.fingerprint == big.fingerprint  # one dataset identity, whichever planner reads it
 
 
@@ -179,6 +179,6 @@ def test_blocks_planner_on_s3(dataset, tmp_path, s3, s3_bucket):
     keys = []
     for r in range(2):
         loader = build_loader(url, world=World(rank=r, world_size=2), seed=1, cfg=cfg(tmp_path), storage_options=so)
-        assert loader.planner == "blocks"
+        assert loader.planner.name == "blocks"
         keys += [k for b, _ in loader for k in b.keys]
     assert sorted(keys) == all_keys(dataset)

@@ -5,9 +5,10 @@
     pool.py     the decode thread pool that serves the oldest chunk first
     reader.py   one chunk: ranged reads by index offsets -> decode into batch rows -> ChunkBatches
     batch.py    Batch (padded waves + lengths + keys/texts) and pcm_to_float
-    loader.py   Loader / build_loader: plan -> reader -> (Batch, state) with resume and elastic re-stripe
+    planner.py  the planner seam (Planner, EpochView, RankChunk, Shards) with the rows and blocks planners
+    loader.py   Loader / build_loader: any planner -> reader -> (Batch, state) with resume and elastic re-stripe
     mixture.py  weighted mixtures, pure: which rows of each dataset an epoch holds -> one gathered PlanIndex
-    mixloader.py MixtureLoader / build_mixture: the Loader over several datasets (local and s3:// mixed)
+    mixplan.py  MixturePlanner: a weighted mixture (local and s3:// mixed) planned by rows or by blocks
     blockplan.py the epoch plan at block granularity for 100M-row corpora (stream.planner=blocks; auto from 4M rows)
     mapped.py   the index as a node-shared memory map (built once per node) for the block planner
     bench.py    the loader timed per stage (`shardtrain bench`)

@@ -1,15 +1,17 @@
 """What the loader hands the trainer: `Batch` (padded PCM + lengths + keys/texts/durations) and pcm_to_float.
 
     ChunkBatches row (int16 or float32 [B, T], lengths [B], keys, texts, durations_s)
-      -> Batch(waves [B, T] zero-padded, lengths [B] int64, ...) -> .to(device) / .pin_memory() in the trainer
+      -> Batch(waves [B, T] zero-padded, lengths [B] int64, ..., rows/sources: where each utterance came from)
+      -> .to(device) / .pin_memory() in the trainer (rows and sources stay numpy on the host)
 
 int16 batches (worker processes: half the bytes through shared memory) become float32 with pcm_to_float on the
 device, which is where the trainer and `shardtrain bench` both convert them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 
@@ -28,6 +30,11 @@ class Batch:
     epoch: int
     step: int
     """Index of this batch within its epoch."""
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """int64 [B]: each utterance's row in its dataset's index.parquet (what a ledger or `shardtrain plan` joins
+    on; free: the plan's own row ids)."""
+    sources: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
+    """int16 [B]: each utterance's dataset, its position in the mixture's list (0 for a single dataset)."""
 
     def __len__(self) -> int:
         return len(self.keys)

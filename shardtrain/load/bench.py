@@ -147,7 +147,7 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
         "data_wait_pct": round(100.0 * tally.wait_s / wall, 2) if bench.step_ms > 0 else None,
         "workers": stream.num_workers, "decode_threads": stream.decode_threads,
         "world_size": world.world_size, "rank": world.rank,
-        "max_batch_seconds": stream.bucket.max_batch_seconds, "planner": loader.planner,
+        "max_batch_seconds": stream.bucket.max_batch_seconds, "planner": loader.planner.name,
     }
     for k, v in stage_s.items():
         out[f"stage_{k}_s"] = round(v, 3)

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, deal_runs, estimate_bins
+from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, deal_runs, estimate_bins, table_cost_cuts
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +70,10 @@ WINDOW_ROWS = 1 << 22
 
 
 def make_blocks(duration_s, size, block_s: float, budget: float,
-                cost_fn: Callable[[np.ndarray], np.ndarray] | None = None, block_rows: int | None = None) -> Blocks:
+                cost_fn: Callable[[np.ndarray], np.ndarray] | None = None, block_rows: int | None = None,
+                cuts: np.ndarray | None = None) -> Blocks:
     """Blocks of about `block_s` seconds of duration-sorted rows (`duration_s` ascending; array or memory map),
-    also cut every `block_rows` rows when given: equal audio, so a chunk of a few blocks is balanced whatever the
+    also cut every `block_rows` rows when given and before every duration in `cuts` (budget-table edges): equal audio, so a chunk of a few blocks is balanced whatever the
     durations; over-budget rows (cost_fn(d) > budget) get blocks of their own, 64 rows each. Streams the columns
     WINDOW_ROWS at a time: memory is O(blocks)."""
     cost_fn = cost_fn or (lambda d: d)
@@ -90,7 +91,8 @@ def make_blocks(duration_s, size, block_s: float, budget: float,
         if len(c) < min(WINDOW_ROWS, n - a):
             break
     by_rows = np.arange(0, cut, block_rows) if block_rows else np.zeros(0, np.int64)
-    starts = np.unique(np.concatenate([*found, by_rows, np.arange(cut, n, 64)])).astype(np.int64)
+    at_cuts = np.zeros(0, np.int64) if cuts is None else np.searchsorted(duration_s, np.asarray(cuts), side="right")
+    starts = np.unique(np.concatenate([*found, by_rows, at_cuts, np.arange(cut, n, 64)])).astype(np.int64)
     starts = starts[starts < n]
     ends = np.append(starts[1:], n)
     cost, max_cost, nbytes = np.zeros(len(starts)), np.zeros(len(starts), np.float32), np.zeros(len(starts), np.int64)
@@ -167,6 +169,8 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
     fill = float(blocks.cost[ok].sum()) / (world_size * budget)
     nb = max(1, min(cfg.num_buckets, int(fill), len(ok) // world_size))  # a bucket: >= a batch and a block per rank
     edges = estimate_bins(mean, nb) if len(ok) else np.zeros(0)
+    if cfg.budget_table is not None:  # buckets end at the table's edges (blocks do too: make_blocks `cuts`)
+        edges = np.union1d(edges, table_cost_cuts(cfg))
     bucket = np.searchsorted(edges, mean, side="right")
     seqs, bounds_all, need_all, ids_all, base, nchunks = [], [np.zeros(1, np.int64)], [], [], 0, 0
     for b in np.unique(bucket):

@@ -6,18 +6,31 @@ the share of an epoch that may be skipped as bad data). Each field's docstring g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from dataclasses import dataclass, field, fields
 
 from shardtrain.load.plan import BucketConfig
+
+BLOCKS_IGNORE = ("padded_budget", "bins_s", "run_mb", "min_run_mb")
+"""BucketConfig fields the block planner does not implement (it buckets blocks by audio, cuts chunks from whole
+blocks and budgets summed seconds): set away from their defaults they are refused, never silently ignored."""
+
+
+def refuse_ignored_fields(bucket: BucketConfig, why: str) -> None:
+    """ValueError naming the first bucket field set away from its default that the block planner ignores."""
+    defaults = BucketConfig()
+    for f in fields(BucketConfig):
+        if f.name in BLOCKS_IGNORE and getattr(bucket, f.name) != getattr(defaults, f.name):
+            raise ValueError(f"stream.bucket.{f.name}={getattr(bucket, f.name)!r} is ignored by the block planner "
+                             f"({why}): leave it at its default, or set stream.planner=rows")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StreamConfig:
     bucket: BucketConfig = field(default_factory=BucketConfig)
     """Batch budget and bucketing (see plan.BucketConfig)."""
-    epochs: int | None = None
-    """Stop after this many epochs; None repeats forever (the trainer stops on max_steps)."""
+    epochs: int | None = 1
+    """Stop after this many epochs (default one: a loader built with defaults ends, like any Python iterable).
+    None streams endlessly, which a trainer asks for explicitly and stops on its own step count (max_steps)."""
     num_workers: int = 0
     """DataLoader worker processes. 0 decodes in threads of the main process (fastest on few cores)."""
     decode_threads: int = 3
@@ -57,7 +70,9 @@ class StreamConfig:
     """"rows": plan_epoch over the whole index in every rank (~70 B a row per rank, plus keys and transcripts;
     batches ~90% of the budget). "blocks": the block planner (load/blockplan.py) over an index memory-mapped once
     per node (load/mapped.py): memory and plan time per rank independent of corpus size, batches a little less
-    full (0.88 against 0.92 of the budget on 200k synthetic rows). "auto": blocks from `block_plan_min_rows` rows on; mixtures always plan rows."""
+    full (0.88 against 0.92 of the budget on 200k synthetic rows). "auto": blocks from `block_plan_min_rows` rows on
+    (a mixture: its datasets' rows together), logged. The block planner does not implement the bucket fields
+    in BLOCKS_IGNORE: a config that sets them is refused when it plans by blocks."""
     block_plan_min_rows: int = 4_000_000
     """Where "auto" switches to blocks: at 4M rows plan_epoch holds ~400 MB in each rank (3 GB on an 8-GPU node)."""
     block_s: float | None = None
@@ -86,6 +101,8 @@ class StreamConfig:
             raise ValueError(f"stream.max_skipped_share must be in [0, 1], got {self.max_skipped_share}")
         if self.planner not in ("auto", "rows", "blocks"):
             raise ValueError(f"stream.planner must be 'auto', 'rows' or 'blocks', got {self.planner!r}")
+        if self.planner == "blocks":
+            refuse_ignored_fields(self.bucket, "stream.planner=blocks")
         if (self.block_s is not None and self.block_s <= 0) or self.block_plan_min_rows < 0:
             raise ValueError("stream.block_s must be > 0 and stream.block_plan_min_rows >= 0")
         if self.pcm_dtype not in ("float32", "int16"):

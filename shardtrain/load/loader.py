@@ -1,26 +1,24 @@
-"""Streaming loader: planned batches read from shards on disk or S3, with exact resume.
+"""Streaming loader: one Loader over any planner (load/planner.py), with exact and elastic resume.
 
-    manifest.json + index.parquet (numeric columns only)            -> PlanIndex (~40 B/row, shared by workers)
-      -> plan_epoch(seed, epoch, world_size, BucketConfig)          -> groups of chunks, batches fixed per chunk
-      -> this rank's chunks; DataLoader worker w takes chunk j when (j + chunks before) % num_workers == w
-      -> read_chunk: one ranged read per byte run (retry + resume at byte reached; optional local shard cache)
-      -> decode: libsndfile in a thread pool straight into batch rows (no GIL: audio.decode_into)
-      -> ChunkBatches: per batch int16 [B, T] + lengths + keys/texts (half the bytes of float32 across IPC)
-      -> Loader (main process): float32 [B, T] zero-padded (pinned when CUDA exists) -> (Batch, state)
+    build_loader(url | [(url, weight), ...]) -> Planner: rows (plan_epoch, index in every rank), blocks
+         (blockplan over a node-shared memory map, from block_plan_min_rows rows), or a weighted mixture of
+         either (load/mixplan.py; a single dataset is the mixture of one: same seam, no selection step)
+      -> schedule: this rank's RankChunks from the cursor on, epoch after epoch; the next epoch is planned in a
+         background thread while this one is read, the very first chunk is split so one batch comes first
+      -> ChunkStream: DataLoader worker w takes schedule item j when j % num_workers == w (plan order kept);
+         read_chunk: ranged reads, checks, decode into batch rows in a thread pool (load/reader.py)
+      -> Loader (main process): Batch (float32 [B, T] or int16, pinned when CUDA exists; rows and sources of
+         every utterance), the skip-share stop, counters (per-dataset seconds from the chunks' origins) -> state
 
 Why threads, and why whole chunks per worker item: decoding in a thread pool inside one process reaches the
 decode-only limit without the inter-process copy (stack.md), so `num_workers=0` with `decode_threads=3` is the
 default; with worker processes, each DataLoader item is one chunk's batches, so DataLoader's round-robin over
-workers yields chunks in plan order whatever `num_workers` is. The state is a cursor (epoch, step) kept by the
-main process, never by workers, so a checkpoint cannot run ahead of the trainer.
+workers yields chunks in plan order whatever `num_workers` is. The state is a cursor (epoch, step, chain) kept by
+the main process, never by workers, so a checkpoint cannot run ahead of the trainer. After an epoch's last
+batch the cursor moves to (next epoch, 0): a state saved there resumes under any bucket config.
 
-A resume with a different world size re-plans only the rest of the epoch: rows consumed under the old world
-size are recomputed from the (pure) plan and excluded (`chain` in the state).
-
-Two planners (StreamConfig.planner): `plan_epoch` over the whole index held by every rank (~70 B a row), or,
-from `block_plan_min_rows` rows, `blockplan` over a node-shared memory map of the index (load/mapped.py): every
-rank plans the same block table and deals only its own groups, one at a time, so memory and start-up per rank do
-not grow with the corpus (benchmarks/bench_block_loader.py).
+A resume with a different world size re-plans only the rest of the epoch: what was consumed under the old world
+size is recomputed from the (pure) planner and excluded (`chain` in the state), the same for every planner.
 """
 from __future__ import annotations
 
@@ -29,22 +27,20 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass
-from typing import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Generator, Iterator
 
 import numpy as np
 import torch
 
 from shardtrain import storage
-from shardtrain.format.manifest import Dataset, open_dataset
-from shardtrain.load.blockplan import Blocks, block_epoch, block_shape, chunks_from, plan_blocks
-from shardtrain.load.mapped import default_root, mapped_blocks, open_mapped
-from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s, plan_epoch
-from shardtrain.load.reader import CHECK_COLUMNS, ChunkBatches, ChunkReader, StreamError
-from shardtrain.world import World
 from shardtrain.load.batch import Batch
 from shardtrain.load.config import StreamConfig
+from shardtrain.load.plan import BucketConfig, Chunk
+from shardtrain.load.planner import EpochView, Planner, RankChunk, epoch_plan, open_planner
+from shardtrain.load.reader import ChunkBatches, ChunkReader, StreamError
+from shardtrain.world import World
 
 log = logging.getLogger(__name__)
 
@@ -53,31 +49,7 @@ PRESIGN_AHEAD = 1024
 """Shards signed in the main process before DataLoader workers fork (~0.25 ms each), so a worker needs no S3
 client of its own to start; later shards are signed in the worker when first read."""
 
-
-# ---------------------------------------------------------------------------------------------- planning
-def epoch_plan(idx: PlanIndex, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
-               chain: list[list[int]] | tuple = ()) -> EpochPlan:
-    """The plan for `epoch`, after excluding rows consumed under earlier world sizes (`chain` of [ws, steps])."""
-    exclude = None
-    for ws, steps in chain:
-        prev = plan_epoch(idx, seed=seed, epoch=epoch, world_size=ws, cfg=cfg, exclude=exclude)
-        mask = np.zeros(len(idx), bool) if exclude is None else exclude.copy()
-        mask[consumed_rows(prev, steps)] = True
-        exclude = mask
-    return plan_epoch(idx, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg, exclude=exclude)
-
-
-def _refuse_empty_plan(url: str, rows: int, too_long: int, world: World, cfg: BucketConfig) -> None:
-    """Raise StreamError at build time when no epoch can hold a batch (an empty index, or every utterance over
-    the budget): iterating would otherwise plan empty epochs forever and a trainer would never step."""
-    usable = rows - too_long
-    if usable == 0:
-        why = "its index has no rows" if rows == 0 else \
-            f"all {rows} utterances are longer than stream.bucket.max_batch_seconds={cfg.max_batch_seconds:g}"
-        raise StreamError(f"{url}: no batch can be planned: {why}; raise max_batch_seconds or use another dataset")
-    if usable < world.world_size:
-        raise StreamError(f"{url}: {usable} usable samples for {world.world_size} ranks: every rank needs at least "
-                          "one; use fewer ranks or a larger dataset")
+__all__ = ["Loader", "build_loader", "StreamConfig", "StreamError", "Batch", "epoch_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,72 +59,96 @@ class _Cursor:
     chain: tuple = ()
 
 
-IndexSource = PlanIndex | Callable[[int], PlanIndex]
-"""One index for every epoch, or one per epoch (a mixture's virtual rows: load/mixloader.py)."""
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One read of the schedule: a chunk's batches from `skip` on (the first item may be a one-batch piece)."""
+
+    epoch: int
+    first_step: int
+    rc: RankChunk
+    skip: int
+    steps: int
+    """Steps of this epoch (the cursor moves to the next epoch after the last)."""
+    rows: int
+    """Samples this epoch delivers over all ranks (the skip share's base)."""
 
 
-def index_at(idx: IndexSource, epoch: int) -> PlanIndex:
-    return idx(epoch) if callable(idx) else idx
+@dataclass(slots=True)
+class _Loaded:
+    """What crosses from a reader (thread or worker process) to the Loader: the chunk's batches plus, per batch,
+    the dataset row and dataset number of every kept utterance (from the chunk's origin: no second plan)."""
+
+    batches: ChunkBatches
+    origins: list[tuple[np.ndarray, np.ndarray]]
+    steps: int
+    rows: int
 
 
-def _rank_chunks(idx: PlanIndex, blocks: Blocks | None, seed: int, epoch: int, world: World, cfg: BucketConfig,
-                 chain: tuple, step: int) -> Iterator[tuple[int, Chunk]]:
-    """(first step, chunk) of this rank's chunks in `epoch` that end after `step`, from either planner."""
-    if blocks is not None:
-        cost_of = lambda rows: cost_s(np.asarray(idx.duration_s[rows]), cfg)  # noqa: E731
-        bplan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world.world_size, cfg=cfg,
-                                  chain=chain)
-        if bplan.steps == 0 and not chain:
-            raise StreamError(f"epoch {epoch} has no batch to plan (every sample excluded); stopping")
-        yield from chunks_from(bplan, blocks, cost_of, world.rank, seed, gone, step)
-        return
-    plan = epoch_plan(idx, seed, epoch, world.world_size, cfg, chain)
-    if plan.steps == 0 and not chain:  # a full epoch without a batch: every later one is the same
+def _check_epoch(view: EpochView, epoch: int, chain: tuple) -> EpochView:
+    if view.steps == 0 and not chain:  # a full epoch without a batch: every later one is the same
         raise StreamError(f"epoch {epoch} has no batch to plan (every sample excluded); stopping")
-    first = 0
-    for chunk in plan.rank_chunks(world.rank):
-        if first + len(chunk.batches) > step:
-            yield first, chunk
-        first += len(chunk.batches)
+    return view
 
 
-def _chunk_schedule(idx: IndexSource, seed: int, world: World, cfg: StreamConfig, start: _Cursor,
-                    blocks: Blocks | None = None) -> Iterator[tuple[int, int, Chunk, int]]:
-    """(epoch, first step of chunk, chunk, batches to skip) for this rank from `start`, in plan order."""
+def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor) -> Iterator[_Item]:
+    """This rank's reads from `start`, in plan order. The next epoch is planned in a thread as soon as this one
+    starts, so an epoch boundary waits for nothing a steady step does not; the first read of the stream is one
+    batch (its first batch arrives after one batch's read and decode, not a whole chunk's)."""
     epoch, step, chain = start.epoch, start.step, start.chain
-    while cfg.epochs is None or epoch < cfg.epochs:
-        for first, chunk in _rank_chunks(index_at(idx, epoch), blocks, seed, epoch, world, cfg.bucket, chain, step):
-            yield epoch, max(first, step), chunk, max(0, step - first)
-        epoch, step, chain = epoch + 1, 0, ()
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="plan")
+    nxt: Future | None = None
+    first = True
+    try:
+        while cfg.epochs is None or epoch < cfg.epochs:
+            view = (nxt.result() if nxt is not None else planner.epoch(epoch, world.world_size, chain))
+            view = _check_epoch(view, epoch, chain)
+            nxt = (ahead.submit(planner.epoch, epoch + 1, world.world_size)
+                   if cfg.epochs is None or epoch + 1 < cfg.epochs else None)
+            for rc in view.chunks(world.rank, step):
+                skip = max(0, step - rc.first_step)
+                at = rc.first_step + skip
+                batches = rc.chunk.batches
+                if first and len(batches) - skip > 1:  # a small first read: one batch, then the rest
+                    one = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[skip:skip + 1]))
+                    yield _Item(epoch, at, one, 0, view.steps, view.rows)
+                    rc, skip, at = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[skip + 1:])), 0, at + 1
+                first = False
+                yield _Item(epoch, at, rc, skip, view.steps, view.rows)
+            epoch, step, chain = epoch + 1, 0, ()
+    finally:
+        ahead.shutdown(wait=False, cancel_futures=True)
+
+
+def _load(reader: ChunkReader, item: _Item, as_float: bool, order: int) -> _Loaded:
+    rd = copy.copy(reader)  # a view over this chunk's index, sharing the reader's pools and cache
+    rd.idx = item.rc.index
+    cb = rd.load(item.rc.chunk, item.epoch, item.first_step, item.skip, as_float, order)
+    origins = [item.rc.origin(b[5]) for b in cb.batches]
+    cb.batches = [b[:5] for b in cb.batches]
+    return _Loaded(cb, origins, item.steps, item.rows)
 
 
 class ChunkStream(torch.utils.data.IterableDataset):
-    """IterableDataset over this rank's chunks; each item is one chunk's batches (`ChunkBatches`).
+    """IterableDataset over this rank's schedule; each item is one read's batches (`_Loaded`).
 
-    Use with `DataLoader(ds, batch_size=None, num_workers=N)`; worker w loads the chunks at positions
+    Use with `DataLoader(ds, batch_size=None, num_workers=N)`; worker w loads the items at positions
     w, w+N, ... of the schedule, so DataLoader's round-robin yields them in schedule order.
     """
 
-    def __init__(self, ds: Dataset, idx: IndexSource, seed: int, world: World, cfg: StreamConfig, start: _Cursor,
-                 blocks: Blocks | None = None):
-        self.ds, self.idx, self.seed, self.world, self.cfg, self.start = ds, idx, seed, world, cfg, start
-        self.blocks = blocks
+    def __init__(self, planner: Planner, world: World, cfg: StreamConfig, start: _Cursor):
+        self.planner, self.world, self.cfg, self.start = planner, world, cfg, start
 
-    def __iter__(self) -> Iterator[ChunkBatches]:
+    def __iter__(self) -> Iterator[_Loaded]:
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        reader = ChunkReader(self.ds, index_at(self.idx, self.start.epoch), self.cfg)
+        reader = ChunkReader(self.planner.data, None, self.cfg)  # type: ignore[arg-type]
+        as_float = info is None and self.cfg.pcm_dtype == "float32"
         pending: list[Future] = []
-        sched = _chunk_schedule(self.idx, self.seed, self.world, self.cfg, self.start, self.blocks)
-        mine = ((j, item) for j, item in enumerate(sched) if j % nw == wid)
+        mine = ((j, item) for j, item in enumerate(_schedule(self.planner, self.world, self.cfg, self.start))
+                if j % nw == wid)
         try:
-            for j, (epoch, first, chunk, skip) in mine:
-                as_float = info is None and self.cfg.pcm_dtype == "float32"
-                rd = reader
-                if callable(self.idx):  # a per-epoch index: a view of the reader (same pools) over this epoch's
-                    rd = copy.copy(reader)
-                    rd.idx = self.idx(epoch)
-                pending.append(reader.io_pool.submit(rd.load, chunk, epoch, first, skip, as_float, j))
+            for j, item in mine:
+                pending.append(reader.io_pool.submit(_load, reader, item, as_float, j))
                 if len(pending) >= self.cfg.prefetch_chunks:
                     yield pending.pop(0).result()
             while pending:
@@ -169,39 +165,35 @@ def _cfg_fingerprint(cfg: BucketConfig) -> str:
     return json.dumps(asdict(cfg), sort_keys=True)
 
 
+def _refuse_empty_plan(what: str, rows: int, too_long: int, world: World, cfg: BucketConfig) -> None:
+    """Raise StreamError at build time when no epoch can hold a batch (an empty index, or every utterance over
+    the budget): iterating would otherwise plan empty epochs forever and a trainer would never step."""
+    usable = rows - too_long
+    if usable == 0:
+        why = "its index has no rows" if rows == 0 else \
+            f"all {rows} utterances are longer than stream.bucket.max_batch_seconds={cfg.max_batch_seconds:g}"
+        raise StreamError(f"{what}: no batch can be planned: {why}; raise max_batch_seconds or use another dataset")
+    if usable < world.world_size:
+        raise StreamError(f"{what}: {usable} usable samples for {world.world_size} ranks: every rank needs at least "
+                          "one; use fewer ranks or a larger dataset")
+
+
 class Loader:
     """Iterate `(Batch, state)`; `build_loader(..., state=state)` resumes at the batch after `state`'s.
 
-    The state is a small JSON-able cursor: {version, dataset, bucket config, seed, world_size, epoch, step,
-    chain, counters}. It is the same on every rank (counters aside), so any rank's copy resumes all of them.
+    The state is a small JSON-able cursor: {version, dataset, bucket config, seed, planner, world_size, epoch,
+    step, chain, counters}. It is the same on every rank (counters aside), so any rank's copy resumes all of them.
     """
 
-    blocks: Blocks | None = None
-    """The block table when planning by blocks (StreamConfig.planner); None plans rows (plan_epoch)."""
-
-    def __init__(self, url: str, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
-                 storage_options: dict | None = None):
-        self.world, self.seed, self.cfg = world, seed, cfg
-        self.ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
-        rows = sum(s.samples for s in self.ds.shards)
-        if cfg.planner == "blocks" or (cfg.planner == "auto" and rows >= cfg.block_plan_min_rows):
-            mi = open_mapped(self.ds, cfg.index_cache_dir or default_root(), text=cfg.check_transcripts)
-            self.idx, self.fingerprint, rates = mi.idx, mi.meta["fingerprint"], np.asarray(mi.meta["sample_rates"])
-            block_s, block_rows = block_shape(float(self.ds.totals.get("seconds", 0.0)), rows,
-                                              cfg.bucket.batches_per_chunk, cfg.block_s)
-            self.blocks = mapped_blocks(mi, cfg.bucket, block_s, block_rows)
-            log.info("%s: %d rows, planned by %d blocks of <= %.0f s and %d rows (index memory-mapped in %s)", url,
-                     rows, len(self.blocks), block_s, block_rows, mi.folder)
-        else:
-            checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
-            table = self.ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
-            rates = np.unique(table.column("sample_rate_hz").to_numpy())
-            self.idx = PlanIndex.from_table(table)
-            self.fingerprint = self.idx.fingerprint()
-        if len(rates) > 1:
-            raise StreamError(f"{url} mixes sample rates {rates.tolist()}; repack with `shardtrain pack --sample-rate`")
-        self.sample_rate_hz = int(rates[0]) if len(rates) else 16000
-        self.counters = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0}
+    def __init__(self, planner: Planner, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
+                 rows: int | None = None):
+        self.planner, self.world, self.seed, self.cfg = planner, world, seed, cfg
+        self.fingerprint = planner.fingerprint
+        self.sample_rate_hz = planner.sample_rate_hz
+        self.too_long_per_epoch = planner.too_long
+        self.counters: dict = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0}
+        if len(planner.datasets) > 1:
+            self.counters["dataset_seconds"] = [0.0] * len(planner.datasets)
         self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
         """Seconds per stage, summed over threads and workers (not part of the state: not reproducible)."""
         self.skipped_keys: list[dict] = []
@@ -211,13 +203,21 @@ class Loader:
         self._bucket_fingerprint = _cfg_fingerprint(cfg.bucket)
         if state is not None:
             self._load_state(state)
-        # the plan leaves out the same utterances every epoch (alone over budget): count them, no re-planning
-        self.too_long_per_epoch = (int(self.blocks.rows[self.blocks.too_long].sum()) if self.blocks is not None else
-                                   int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum()))
-        _refuse_empty_plan(url, len(self.idx), self.too_long_per_epoch, world, cfg.bucket)
-        if self.too_long_per_epoch:
+        what = planner.datasets[0] if len(planner.datasets) == 1 else f"the mixture {planner.datasets}"
+        if rows is not None:
+            _refuse_empty_plan(what, rows, self.too_long_per_epoch, world, cfg.bucket)
+        if self.too_long_per_epoch and len(planner.datasets) == 1:
             log.warning("%d utterances are longer than max_batch_seconds=%g and are left out of every epoch",
                         self.too_long_per_epoch, cfg.bucket.max_batch_seconds)
+
+    @property
+    def ds(self):
+        """Where the shards live (planner.data: shard id -> URL, name, size)."""
+        return self.planner.data
+
+    @property
+    def dataset_names(self) -> list[str]:
+        return list(self.planner.datasets)
 
     # -- state
     def _load_state(self, state: dict) -> None:
@@ -226,12 +226,16 @@ class Loader:
         if state.get("dataset") != self.fingerprint:
             raise StreamError("loader state belongs to a different dataset (index fingerprint differs); "
                               "resume with the dataset the run started on")
+        at_boundary = int(state["step"]) == 0 and not state.get("chain")
         if state.get("bucket") != _cfg_fingerprint(self.cfg.bucket):
-            raise StreamError("loader state was saved with a different stream.bucket config; "
-                              f"saved {state.get('bucket')}, now {_cfg_fingerprint(self.cfg.bucket)}")
-        if state.get("planner", "rows") != self.planner:
+            if not at_boundary:  # mid-epoch the rest of the epoch is the old plan's: only it can continue
+                raise StreamError("loader state was saved mid-epoch with a different stream.bucket config (resume "
+                                  "with the same budgets, or change them at an epoch boundary); "
+                                  f"saved {state.get('bucket')}, now {_cfg_fingerprint(self.cfg.bucket)}")
+            log.info("resuming at the start of epoch %s with a new stream.bucket config", state.get("epoch"))
+        if state.get("planner", "rows") != self.planner.name and not at_boundary:
             raise StreamError(f"loader state was planned by {state.get('planner', 'rows')}, this run plans by "
-                              f"{self.planner}; set stream.planner={state.get('planner', 'rows')} to resume it")
+                              f"{self.planner.name}; set stream.planner={state.get('planner', 'rows')} to resume it")
         if state.get("seed") != self.seed:
             raise StreamError(f"loader state has seed {state.get('seed')}, this run {self.seed}; use the same seed")
         chain = tuple(tuple(x) for x in state.get("chain", ()))
@@ -248,19 +252,15 @@ class Loader:
         """State after the last yielded batch (resuming from it yields the next batch)."""
         c = self.cursor
         return {"version": STATE_VERSION, "dataset": self.fingerprint, "bucket": self._bucket_fingerprint,
-                "seed": self.seed, "planner": self.planner, "world_size": self.world.world_size, "epoch": c.epoch,
-                "step": c.step,
-                "chain": [list(x) for x in c.chain], "counters": dict(self.counters),
+                "seed": self.seed, "planner": self.planner.name, "world_size": self.world.world_size,
+                "epoch": c.epoch, "step": c.step, "chain": [list(x) for x in c.chain],
+                "counters": {k: list(v) if isinstance(v, list) else v for k, v in self.counters.items()},
                 "skipped_keys": list(self.skipped_keys)}
-
-    @property
-    def planner(self) -> str:
-        return "rows" if self.blocks is None else "blocks"
 
     def load_state_dict(self, state: dict) -> None:
         """torchdata/`Stateful` convention: the next iteration starts at the batch after `state`'s (same checks as
         `build_loader(..., state=state)`). Call it between iterations, not while one is running."""
-        self.counters = {k: type(v)(0) for k, v in self.counters.items()}
+        self.counters = {k: [0.0] * len(v) if isinstance(v, list) else type(v)(0) for k, v in self.counters.items()}
         self.skipped_keys, self.cursor = [], _Cursor(0, 0)
         self._load_state(state)
 
@@ -274,10 +274,7 @@ class Loader:
 
     def steps_per_epoch(self, epoch: int = 0) -> int:
         """Batches every rank yields in `epoch` (a full epoch; a re-striped one differs)."""
-        if self.blocks is not None:
-            return plan_blocks(self.blocks, seed=self.seed, epoch=epoch, world_size=self.world.world_size,
-                               cfg=self.cfg.bucket).steps
-        return epoch_plan(self.idx, self.seed, epoch, self.world.world_size, self.cfg.bucket).steps
+        return self.planner.epoch(epoch, self.world.world_size).steps
 
     # -- iteration
     def dataloader(self) -> torch.utils.data.DataLoader:
@@ -291,32 +288,31 @@ class Loader:
             multiprocessing_context="fork" if nw and os.name == "posix" else None)
 
     def _chunk_stream(self) -> ChunkStream:
-        """This rank's chunks from the cursor on (read in this process, or by DataLoader workers)."""
-        return ChunkStream(self.ds, self.idx, self.seed, self.world, self.cfg, self.cursor, self.blocks)
+        """This rank's reads from the cursor on (in this process, or by DataLoader workers)."""
+        return ChunkStream(self.planner, self.world, self.cfg, self.cursor)
 
     def _shards_ahead(self, limit: int) -> list[int]:
         """Up to `limit` distinct shards in the order this rank reads them, from the cursor to the epoch's end."""
         seen: dict[int, None] = {}
-        for epoch, _, chunk, _ in _chunk_schedule(self.idx, self.seed, self.world, self.cfg, self.cursor, self.blocks):
-            if epoch != self.cursor.epoch or len(seen) >= limit:
+        c = self.cursor
+        view = self.planner.epoch(c.epoch, self.world.world_size, c.chain)
+        for rc in view.chunks(self.world.rank, c.step):
+            if len(seen) >= limit:
                 break
-            for b in chunk.batches:
-                seen.update(dict.fromkeys(np.unique(self.idx.shard[b]).tolist()))
+            for b in rc.chunk.batches:
+                seen.update(dict.fromkeys(np.unique(rc.index.shard[b]).tolist()))
         return list(seen)[:limit]
 
     def __iter__(self) -> Generator[tuple[Batch, dict], None, None]:
         pin = torch.cuda.is_available()
         # without worker processes the DataLoader only adds per-item overhead (~4% of a 2-core epoch, measured)
         items = self.dataloader() if self.cfg.num_workers else self._chunk_stream()
-        for item in items:
+        per_dataset = self.counters.get("dataset_seconds")
+        for loaded in items:
+            item = loaded.batches
             for k, v in item.timings.items():
                 self.stage_s[k] += v
-            for e in item.errors:
-                self.counters["skipped"] += 1
-                if len(self.skipped_keys) < self.cfg.max_error_keys:
-                    self.skipped_keys.append(e)
-                log.warning("skipped %s in %s: %s", e["key"], e["shard"], e["reason"])
-            _skip_limit(self, item)
+            self._count_skips(item, loaded.rows)
             for i, (pcm, lengths, keys, texts, durs) in enumerate(item.batches):
                 t0 = time.perf_counter()
                 if isinstance(pcm, torch.Tensor):
@@ -327,45 +323,59 @@ class Loader:
                     waves = waves.pin_memory()
                 self.stage_s["collate"] += time.perf_counter() - t0
                 step = item.first_step + i
+                rows, sources = loaded.origins[i]
                 batch = Batch(waves=waves, lengths=torch.from_numpy(lengths), keys=keys, texts=texts,
                               durations_s=torch.from_numpy(durs), sample_rate_hz=self.sample_rate_hz,
-                              epoch=item.epoch, step=step)
+                              epoch=item.epoch, step=step, rows=rows, sources=sources)
                 self.counters["samples"] += len(keys)
                 self.counters["audio_seconds"] += float(durs.sum())
                 self.counters["batches"] += 1
+                if per_dataset is not None:
+                    for d, s in enumerate(np.bincount(sources, weights=durs, minlength=len(per_dataset)).tolist()):
+                        per_dataset[d] += s
                 chain = self.cursor.chain if item.epoch == self.cursor.epoch else ()
                 if step == 0 and not chain:  # once per epoch (a re-striped epoch counted it before)
                     self.counters["too_long"] += self.too_long_per_epoch
-                self.cursor = _Cursor(item.epoch, step + 1, chain)
+                self.cursor = (_Cursor(item.epoch, step + 1, chain) if step + 1 < loaded.steps else
+                               _Cursor(item.epoch + 1, 0))
                 yield batch, self.state_dict()
 
-
-def _skip_limit(loader: Loader, item: ChunkBatches) -> None:
-    """Raise StreamError once more than `max_skipped_share` of this rank's epoch was skipped as bad data.
-
-    The epoch size is this rank's share of the index (rows over world size, too-long ones excluded); the count
-    restarts each epoch (and on resume, so a resumed epoch may skip up to the share again)."""
-    if not item.errors:
-        return
-    epoch, n = loader._epoch_skips
-    n = (n if epoch == item.epoch else 0) + len(item.errors)
-    loader._epoch_skips = (item.epoch, n)
-    rows = max(1.0, (len(loader.idx) - loader.too_long_per_epoch) / loader.world.world_size)
-    if n > loader.cfg.max_skipped_share * rows:
-        last = item.errors[-1]
-        raise StreamError(
-            f"{loader.ds.url}: {n} of ~{rows:.0f} samples of epoch {item.epoch} skipped as bad data (over "
-            f"stream.max_skipped_share={loader.cfg.max_skipped_share:g}); last: {last['key']} in {last['shard']}: "
-            f"{last['reason']}; check the dataset with `shardtrain inspect --verify`, or raise the share")
+    def _count_skips(self, item: ChunkBatches, epoch_rows: int) -> None:
+        """Record a read's skipped samples; StreamError once more than `max_skipped_share` of this rank's epoch
+        was skipped as bad data. The epoch size is this rank's share of the epoch's samples; the count restarts
+        each epoch (and on resume, so a resumed epoch may skip up to the share again)."""
+        if not item.errors:
+            return
+        for e in item.errors:
+            self.counters["skipped"] += 1
+            if len(self.skipped_keys) < self.cfg.max_error_keys:
+                self.skipped_keys.append(e)
+            log.warning("skipped %s in %s: %s", e["key"], e["shard"], e["reason"])
+        epoch, n = self._epoch_skips
+        n = (n if epoch == item.epoch else 0) + len(item.errors)
+        self._epoch_skips = (item.epoch, n)
+        rows = max(1.0, epoch_rows / self.world.world_size)
+        if n > self.cfg.max_skipped_share * rows:
+            last = item.errors[-1]
+            raise StreamError(
+                f"{self.ds.url}: {n} of ~{rows:.0f} samples of epoch {item.epoch} skipped as bad data (over "
+                f"stream.max_skipped_share={self.cfg.max_skipped_share:g}); last: {last['key']} in {last['shard']}: "
+                f"{last['reason']}; check the dataset with `shardtrain inspect --verify`, or raise the share")
 
 
 def build_loader(url: str | list | tuple, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
-                 storage_options: dict | None = None) -> Loader:
-    """The loader for one rank. Reads manifest.json and index.parquet (numeric columns) once; no audio yet.
+                 storage_options: dict | None = None, epoch_hours: float | None = None) -> Loader:
+    """The loader for one rank. Reads manifest.json and the index (or its node-shared memory map) once; no audio.
 
-    `url` may be a list of datasets, each a URL or (URL, weight): a weighted mixture (load/mixloader.py)."""
+    `url` may be a list of datasets, each a URL or (URL, weight): a weighted mixture (load/mixplan.py): per epoch
+    each dataset contributes weight / sum(weights) of the audio (of all datasets together, or `epoch_hours`),
+    every sample of a dataset once before any repeats."""
+    planner: Planner
     if isinstance(url, (list, tuple)):
-        from shardtrain.load.mixloader import build_mixture
+        from shardtrain.load.mixplan import MixturePlanner
 
-        return build_mixture(url, world=world, seed=seed, cfg=cfg, state=state, storage_options=storage_options)
-    return Loader(url, world=world, seed=seed, cfg=cfg, state=state, storage_options=storage_options)
+        planner = MixturePlanner(url, cfg, seed, storage_options, epoch_hours)
+    else:
+        planner = open_planner(url, cfg, seed, storage_options)
+    rows = sum(s.samples for s in planner.data.shards)
+    return Loader(planner, world=world, seed=seed, cfg=cfg, state=state, rows=rows)

@@ -41,7 +41,7 @@ from shardtrain import storage
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.validate import DatasetError, check_index
 from shardtrain.load.blockplan import Blocks, make_blocks
-from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex, cost_s
+from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex, cost_s, table_edges
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +225,13 @@ class _WholeIndexCheck:
 
 def mapped_blocks(mi: MappedIndex, cfg: BucketConfig, block_s: float, block_rows: int) -> Blocks:
     """The block table for this budget: from ROOT/<id>/blocks-<params>.npz, made (streaming) when missing."""
-    params = json.dumps([block_s, block_rows, cfg.max_batch_seconds, cfg.quadratic_duration_s])
+    params = json.dumps([block_s, block_rows, cfg.max_batch_seconds, cfg.quadratic_duration_s, cfg.budget_table])
     path = mi.folder / f"blocks-{hashlib.sha1(params.encode()).hexdigest()[:12]}.npz"
     with open(mi.folder.parent / f"{mi.folder.name}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
             b = make_blocks(mi.idx.duration_s, mi.idx.size, block_s, cfg.max_batch_seconds,
-                            lambda d: cost_s(d, cfg), block_rows)
+                            lambda d: cost_s(d, cfg), block_rows, table_edges(cfg))
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, **{f: getattr(b, f) for f in Blocks.__slots__})  # type: ignore[attr-defined]
             os.replace(tmp, path)

@@ -90,6 +90,19 @@ class BucketConfig:
     than m rows: a small excess, x1.15 at 40k rows of 0.5-3 s). Set it to run_mb to keep every run at run_mb."""
     chunk_mb: float = 64.0
     """Upper bound on bytes per chunk, whatever the batch size (caps read size and memory per chunk)."""
+    budget_table: tuple[tuple[float, float], ...] | None = None
+    """Per-length batch budgets, ((max_duration_s_edge, max_batch_seconds), ...) sorted by edge, replacing
+    `max_batch_seconds` as the budget (what `shardtrain tune` measures: batches of short utterances often fit
+    more audio). Exactly: the budget of a duration d is b(d) = the budget of the first entry whose edge is >= d;
+    durations longer than the last edge take the last entry's budget. A batch whose longest utterance lasts L
+    holds at most b(L) seconds of cost (summed, or L's cost x size with `padded_budget`). An utterance is too
+    long (left out of every epoch, counted) when its cost alone exceeds b(d); past the last edge that is the
+    last budget, so a table whose last budget is max_batch_seconds keeps max_batch_seconds' too-long rule.
+    How: `cost_s` gives an utterance cost(d) x max_batch_seconds / b(d), so both planners keep one budget, and no
+    batch mixes lengths of two entries (the rows planner cuts duration buckets at the edges; the block planner
+    cuts blocks and buckets there), so every batch is within b(L). One exception: a bucket left with fewer rows
+    than ranks merges into its neighbour, and may then cross an edge. Part of the bucket fingerprint (a state
+    resumes mid-epoch only with the same table; at an epoch boundary with any). Cost: one searchsorted a row."""
 
     def __post_init__(self) -> None:
         if self.max_batch_seconds <= 0:
@@ -110,6 +123,16 @@ class BucketConfig:
             raise ValueError("stream.bucket.quadratic_duration_s must be > 0 or None")
         if self.bins_s is not None and list(self.bins_s) != sorted(self.bins_s):
             raise ValueError("stream.bucket.bins_s must be ascending")
+        if self.budget_table is not None:
+            t = self.budget_table
+            if not t or any(len(e) != 2 for e in t):
+                raise ValueError("stream.bucket.budget_table must be a non-empty tuple of (edge_s, budget_s) pairs")
+            edges = [float(e) for e, _ in t]
+            if edges != sorted(edges) or len(set(edges)) != len(edges) or edges[0] <= 0:
+                raise ValueError(f"stream.bucket.budget_table edges must be > 0 and strictly ascending, got {edges}")
+            if any(not float(b) > 0 for _, b in t):
+                raise ValueError("stream.bucket.budget_table budgets must be > 0 seconds")
+            object.__setattr__(self, "budget_table", tuple((float(e), float(b)) for e, b in t))
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +214,38 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
 
 
 def cost_s(duration_s: np.ndarray, cfg: BucketConfig) -> np.ndarray:
-    """Budget cost per utterance (seconds, with the optional quadratic penalty)."""
-    if cfg.quadratic_duration_s is None:
-        return duration_s
-    return duration_s + duration_s**2 / cfg.quadratic_duration_s
+    """Budget cost per utterance (seconds, with the optional quadratic penalty), in units of max_batch_seconds:
+    with `budget_table` scaled by max_batch_seconds / b(d) (see BucketConfig.budget_table), so every planner
+    keeps its one budget and honours the table."""
+    c = duration_s if cfg.quadratic_duration_s is None else duration_s + duration_s**2 / cfg.quadratic_duration_s
+    if cfg.budget_table is None:
+        return c
+    edges = table_edges(cfg)
+    scale = cfg.max_batch_seconds / np.array([b for _, b in cfg.budget_table])
+    return c * scale[np.minimum(np.searchsorted(edges, duration_s, side="left"), len(edges) - 1)]
+
+
+def table_edges(cfg: BucketConfig) -> np.ndarray:
+    """The budget table's duration edges (empty without a table): no batch mixes lengths across one."""
+    return np.zeros(0) if cfg.budget_table is None else np.array([e for e, _ in cfg.budget_table])
+
+
+def table_cost_cuts(cfg: BucketConfig) -> np.ndarray:
+    """The table's edges in `cost_s` units, for planners that bucket by cost (blockplan): per edge, the cost of
+    the shortest utterance past it (its budget's scale), so buckets cut there hold one entry's lengths each when
+    budgets shrink with length (growing budgets are safe in any batch: b(r) <= b(L))."""
+    e = table_edges(cfg)[:-1]
+    return cost_s(np.nextafter(e, np.inf), cfg) if len(e) else e
+
+
+def batch_budget_s(longest_s: float, cfg: BucketConfig) -> float:
+    """The budget of a batch whose longest utterance lasts `longest_s` (max_batch_seconds without a table)."""
+    if cfg.budget_table is None:
+        return cfg.max_batch_seconds
+    for edge, budget in cfg.budget_table:
+        if longest_s <= edge:
+            return budget
+    return cfg.budget_table[-1][1]
 
 
 def estimate_bins(duration_s: np.ndarray, num_buckets: int) -> np.ndarray:
@@ -233,6 +284,8 @@ def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_s
     else:
         fill = float(cost_s(dur[rows], cfg).sum()) / (_min_bucket_batches(cfg) * world_size * cfg.max_batch_seconds)
         edges = estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill))))
+    if cfg.budget_table is not None:  # no bucket (so no batch) holds lengths of two budget entries
+        edges = np.union1d(edges, np.nextafter(table_edges(cfg), np.inf))
     ids = np.searchsorted(edges, dur[rows], side="right")
     # rows are sorted by duration, so bucket ids are non-decreasing: split at changes
     cuts = np.flatnonzero(np.diff(ids)) + 1

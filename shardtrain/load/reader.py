@@ -60,7 +60,8 @@ class ChunkBatches:
 
     epoch: int
     first_step: int
-    batches: list[tuple[np.ndarray, np.ndarray, list[str], list[str], np.ndarray]]
+    batches: list[tuple]
+    """Per batch (pcm, lengths, keys, texts, durations_s, index rows of the kept utterances)."""
     errors: list[dict]
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent per stage on this chunk, summed over threads: read, parse, decode, batch."""
@@ -277,5 +278,5 @@ class ChunkReader:
                 pcm = np.ascontiguousarray(pcm[keep, : max(lengths, default=0)])
             # from a worker process, a torch tensor crosses to the trainer through shared memory (no pipe copy)
             out.append((pcm if as_float else torch.from_numpy(pcm), np.array(lengths, dtype=np.int64), keys, texts,
-                        np.array(durs, dtype=np.float64)))
+                        np.array(durs, dtype=np.float64), np.asarray(batch_rows, np.int64)[keep]))
         return out, errors

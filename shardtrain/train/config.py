@@ -26,7 +26,7 @@ class TrainConfig:
     data_url: str = ""
     """Training dataset URL (path, file://, s3://); `--data`."""
     mix_urls: tuple[str, ...] = ()
-    """More training datasets, mixed with data_url (repeated `--data`; load/mixloader.py)."""
+    """More training datasets, mixed with data_url (repeated `--data`; load/mixplan.py)."""
     mix_weights: tuple[float, ...] = ()
     """Weights of data_url and mix_urls in order (`--weight`, once per `--data`); empty = equal weights. Per epoch
     dataset i contributes weight_i / sum(weights) of the audio; every sample once before any repeats."""

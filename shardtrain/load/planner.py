@@ -1,0 +1,261 @@
+"""The planner seam (design invariant 13): what a rank reads, behind one small interface the Loader drives.
+
+    Planner (one per loader; rows, blocks, or a weighted mixture of either)
+      .epoch(epoch, world_size, chain) -> EpochView          pure: any rank, any step, any world size history
+          .steps                                           batches every rank yields in this epoch
+          .rows                                            samples the epoch delivers over all ranks
+          .chunks(rank, step) -> RankChunk ...             that rank's chunks ending after `step`, plan order
+      .name ("rows" | "blocks"), .fingerprint (dataset identity for resume), .too_long (left out per epoch),
+      .data: Shards (shard id -> URL, name, size, checksum), .datasets (URLs), .sample_rate_hz
+
+    RankChunk: (first step, Chunk, the PlanIndex its rows index, origin: dataset number and dataset row of every
+               index row) -> the reader needs only the index; Batch.rows/sources and per-dataset seconds come
+               from the origin, carried with the chunk (no second plan).
+
+Planners here: RowsPlanner (plan_epoch over an index held in the rank) and BlocksPlanner (blockplan over the
+node-shared memory map; a rank deals only its own groups). load/mixplan.py adds the weighted mixture over
+either. Because a planner answers for ANY rank and any chain of earlier world sizes, elastic re-striping, the
+`shardtrain plan` report and tests ask the same object the Loader reads from; a new way of choosing what a rank
+reads is a new planner, never a second loader.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from shardtrain.format.manifest import Dataset, ShardInfo, open_dataset
+from shardtrain.load.blockplan import Blocks, BlockPlan, block_epoch, block_shape, chunks_from
+from shardtrain.load.config import StreamConfig, refuse_ignored_fields
+from shardtrain.load.mapped import MappedIndex, default_root, mapped_blocks, open_mapped
+from shardtrain.load.plan import (PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s,
+                                  plan_epoch)
+from shardtrain.load.reader import CHECK_COLUMNS, StreamError
+
+log = logging.getLogger(__name__)
+
+Chain = Sequence[Sequence[int]]
+"""[(world size, steps done), ...]: earlier segments of an epoch under other world sizes (elastic resume)."""
+
+
+# ---------------------------------------------------------------------------------------------- the seam
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """Where a shard lives, over one dataset or several: global shard id -> (dataset, its shard)."""
+
+    url: str
+    """The first remote dataset's URL (caching and presigning treat the whole as remote), else the first."""
+    parts: tuple[Dataset, ...]
+    shards: list[ShardInfo]
+    """Every dataset's shards in order (named `d<i>/<name>` in a mixture: names are unique per dataset only)."""
+    base: np.ndarray
+    """Global id of each dataset's first shard."""
+    storage_options: dict | None = None
+
+    @classmethod
+    def of(cls, parts: Sequence[Dataset], storage_options: dict | None) -> "Shards":
+        from shardtrain import storage
+
+        counts = [len(d.shards) for d in parts]
+        base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        remote = [d.url for d in parts if not storage.is_local(d.url)]
+        shards = (list(parts[0].shards) if len(parts) == 1 else
+                  [replace(sh, name=f"d{i}/{sh.name}") for i, d in enumerate(parts) for sh in d.shards])
+        return cls(url=remote[0] if remote else parts[0].url, parts=tuple(parts), shards=shards, base=base,
+                   storage_options=storage_options)
+
+    def shard_url(self, i: int) -> str:
+        d = int(np.searchsorted(self.base, i, side="right")) - 1
+        return self.parts[d].shard_url(int(i - self.base[d]))
+
+
+@dataclass(frozen=True, slots=True)
+class RankChunk:
+    first_step: int
+    chunk: Chunk
+    index: PlanIndex
+    """The index `chunk`'s rows refer to (shard ids global in Shards)."""
+    source: np.ndarray | None = None
+    """Dataset number of every index row (None: all dataset 0)."""
+    row: np.ndarray | None = None
+    """Row in its dataset's index of every index row (None: the index row itself)."""
+
+    def origin(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset rows int64, dataset numbers int16) of index rows."""
+        rows = np.asarray(rows, np.int64)
+        return (rows if self.row is None else self.row[rows],
+                np.zeros(len(rows), np.int16) if self.source is None else self.source[rows].astype(np.int16))
+
+
+class EpochView(Protocol):
+    steps: int
+    rows: int
+
+    def chunks(self, rank: int, step: int = 0) -> Iterator[RankChunk]: ...
+
+
+class Planner(Protocol):
+    name: str
+    fingerprint: str
+    data: Shards
+    datasets: list[str]
+    too_long: int
+    sample_rate_hz: int
+
+    def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView: ...
+
+
+# ---------------------------------------------------------------------------------------------- rows
+@dataclass(frozen=True, slots=True)
+class RowsEpoch:
+    plan: EpochPlan
+    index: PlanIndex
+    rows: int
+    source: np.ndarray | None = None
+    row: np.ndarray | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.plan.steps
+
+    def chunks(self, rank: int, step: int = 0) -> Iterator[RankChunk]:
+        first = 0
+        for chunk in self.plan.rank_chunks(rank):
+            if first + len(chunk.batches) > step:
+                yield RankChunk(first, chunk, self.index, self.source, self.row)
+            first += len(chunk.batches)
+
+
+def epoch_plan(idx: PlanIndex, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
+               chain: Chain = ()) -> EpochPlan:
+    """The plan for `epoch`, after excluding rows consumed under earlier world sizes (`chain`)."""
+    exclude = None
+    for ws, steps in chain:
+        prev = plan_epoch(idx, seed=seed, epoch=epoch, world_size=int(ws), cfg=cfg, exclude=exclude)
+        mask = np.zeros(len(idx), bool) if exclude is None else exclude.copy()
+        mask[consumed_rows(prev, int(steps))] = True
+        exclude = mask
+    return plan_epoch(idx, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg, exclude=exclude)
+
+
+def rows_epoch(idx: PlanIndex, seed: int, epoch: int, world_size: int, cfg: BucketConfig, chain: Chain,
+               source: np.ndarray | None = None, row: np.ndarray | None = None) -> RowsEpoch:
+    plan = epoch_plan(idx, seed, epoch, world_size, cfg, chain)
+    usable = len(idx) - int((cost_s(idx.duration_s, cfg) > cfg.max_batch_seconds).sum())
+    return RowsEpoch(plan, idx, usable, source, row)
+
+
+class RowsPlanner:
+    """plan_epoch over the whole index, held by every rank (~70 B a row plus keys and transcripts)."""
+
+    name = "rows"
+
+    def __init__(self, ds: Dataset, cfg: StreamConfig, seed: int, storage_options: dict | None):
+        checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
+        table = ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
+        self.sample_rate_hz = _one_rate(ds.url, np.unique(table.column("sample_rate_hz").to_numpy()))
+        self.idx = PlanIndex.from_table(table)
+        self.fingerprint = self.idx.fingerprint()
+        self.bucket, self.seed = cfg.bucket, seed
+        self.data, self.datasets = Shards.of([ds], storage_options), [ds.url]
+        self.too_long = int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum())
+
+    def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> RowsEpoch:
+        return rows_epoch(self.idx, self.seed, epoch, world_size, self.bucket, chain)
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+@dataclass(frozen=True, slots=True)
+class BlocksEpoch:
+    plan: BlockPlan
+    blocks: Blocks
+    cost_of: Callable[[np.ndarray], np.ndarray]
+    seed: int
+    gone: np.ndarray
+    """Rows of partly consumed groups of earlier segments (elastic re-stripe)."""
+    rows: int
+    index: PlanIndex | None = None
+    """The index the rows refer to; None: `localize` makes one per chunk (a mixture's virtual rows)."""
+    localize: Callable[[int, Chunk], RankChunk] | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.plan.steps
+
+    def chunks(self, rank: int, step: int = 0) -> Iterator[RankChunk]:
+        for first, chunk in chunks_from(self.plan, self.blocks, self.cost_of, rank, self.seed, self.gone, step):
+            if self.localize is not None:
+                yield self.localize(first, chunk)
+            else:
+                assert self.index is not None
+                yield RankChunk(first, chunk, self.index)
+
+
+def blocks_epoch(blocks: Blocks, cost_of, seed: int, epoch: int, world_size: int, cfg: BucketConfig, chain: Chain,
+                 **kw) -> BlocksEpoch:
+    plan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg, chain=chain)
+    consumed = sum(int(steps) for _, steps in chain)  # an estimate is enough: it only scales the skip share
+    rows = int(blocks.rows[~blocks.too_long].sum())
+    return BlocksEpoch(plan, blocks, cost_of, seed, gone, max(rows - consumed, 0) if chain else rows, **kw)
+
+
+def open_blocks(ds: Dataset, cfg: StreamConfig) -> tuple[MappedIndex, Blocks]:
+    """The node's memory-mapped index of `ds` and its block table for this budget (built once per node)."""
+    mi = open_mapped(ds, cfg.index_cache_dir or default_root(), text=cfg.check_transcripts)
+    rows = int(mi.meta["rows"])
+    block_s, block_rows = block_shape(float(ds.totals.get("seconds", 0.0)), rows, cfg.bucket.batches_per_chunk,
+                                      cfg.block_s)
+    blocks = mapped_blocks(mi, cfg.bucket, block_s, block_rows)
+    log.info("%s: %d rows, planned by %d blocks of <= %.0f s and %d rows (index memory-mapped in %s)", ds.url,
+             rows, len(blocks), block_s, block_rows, mi.folder)
+    return mi, blocks
+
+
+class BlocksPlanner:
+    """blockplan over the node-shared memory map: per rank the block table plus its own rows, any corpus size."""
+
+    name = "blocks"
+
+    def __init__(self, ds: Dataset, cfg: StreamConfig, seed: int, storage_options: dict | None):
+        mi, self.blocks = open_blocks(ds, cfg)
+        self.idx, self.fingerprint = mi.idx, mi.meta["fingerprint"]
+        self.sample_rate_hz = _one_rate(ds.url, np.asarray(mi.meta["sample_rates"]))
+        self.bucket, self.seed = cfg.bucket, seed
+        self.data, self.datasets = Shards.of([ds], storage_options), [ds.url]
+        self.too_long = int(self.blocks.rows[self.blocks.too_long].sum())
+
+    def cost_of(self, rows: np.ndarray) -> np.ndarray:
+        return cost_s(np.asarray(self.idx.duration_s[rows]), self.bucket)
+
+    def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> BlocksEpoch:
+        return blocks_epoch(self.blocks, self.cost_of, self.seed, epoch, world_size, self.bucket, chain,
+                            index=self.idx)
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+def _one_rate(url: str, rates: np.ndarray) -> int:
+    if len(rates) > 1:
+        raise StreamError(f"{url} mixes sample rates {np.asarray(rates).tolist()}; repack with "
+                          "`shardtrain pack --sample-rate`")
+    return int(rates[0]) if len(rates) else 16000
+
+
+def by_blocks(cfg: StreamConfig, rows: int, what: str) -> bool:
+    """Whether to plan by blocks: stream.planner, or "auto" from block_plan_min_rows rows (logged). Refuses
+    bucket fields the block planner would ignore, naming them."""
+    blocks = cfg.planner == "blocks" or (cfg.planner == "auto" and rows >= cfg.block_plan_min_rows)
+    if blocks and cfg.planner == "auto":
+        log.info("%s: %d rows >= stream.block_plan_min_rows=%d: planning by blocks (stream.planner=auto)", what,
+                 rows, cfg.block_plan_min_rows)
+        refuse_ignored_fields(cfg.bucket, f"{what} has {rows} rows, so stream.planner=auto plans by blocks")
+    return blocks
+
+
+def open_planner(url: str, cfg: StreamConfig, seed: int, storage_options: dict | None) -> Planner:
+    """The planner of one dataset: rows, or blocks (see `by_blocks`)."""
+    ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
+    rows = sum(s.samples for s in ds.shards)
+    kind = BlocksPlanner if by_blocks(cfg, rows, url) else RowsPlanner
+    return kind(ds, cfg, seed, storage_options)
