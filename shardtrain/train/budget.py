@@ -2,8 +2,8 @@
 
     budget.json  {"version": 1, "budget_table": [[edge_s, max_batch_seconds], ...], "memory_target_bytes": ...,
                   "buckets": [{edge_s, shortest_s, utterances, batch_seconds, peak_bytes, step_s}, ...], ...}
-      -> BucketConfig.budget_table (+ bins_s = the interior edges, so the plan's buckets are the table's rows)
-      -> the loader plans each bucket's batches to its own budget (a row of duration d takes the first edge >= d)
+      -> BucketConfig.budget_table: the planners cut duration buckets at its edges and plan each bucket's
+         batches to its own budget (a row of duration d takes the first edge >= d; past the last, the last)
 
 Why a table and not one number: padded activations grow with the longest utterance in a batch (and
 quadratically with attention), so one `max_batch_seconds` is either too small for short buckets (the device
@@ -31,8 +31,8 @@ FILE_VERSION = 1
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BudgetConfig:
     file: str = ""
-    """budget.json from `shardtrain tune` (`--batch-budget`): its table replaces stream.bucket.budget_table and
-    stream.bucket.bins_s. Empty = stream.bucket as configured."""
+    """budget.json from `shardtrain tune` (`--batch-budget`): its table replaces stream.bucket.budget_table.
+    Empty = stream.bucket as configured."""
     memory_limit_mb: float = 0.0
     """Memory the closed loop keeps each step under; 0 = the tuned file's target (total x fraction on CUDA)."""
     adapt: bool = True

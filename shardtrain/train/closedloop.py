@@ -28,15 +28,13 @@ log = logging.getLogger(__name__)
 
 def table_of(cfg) -> Table | None:
     """The budget table the run's stream.bucket plans with (None: one max_batch_seconds)."""
-    t = getattr(cfg.stream.bucket, "budget_table", None)
+    t = cfg.stream.bucket.budget_table
     return check_table(t) if t else None
 
 
 def with_table(cfg, table: Table):
-    """`cfg` planning with `table`: BucketConfig.budget_table, and bins_s at its interior edges so the plan's
-    duration buckets are the table's rows."""
-    bucket = dataclasses.replace(cfg.stream.bucket, budget_table=tuple(table),  # type: ignore[call-arg]
-                                 bins_s=tuple(e for e, _ in table[:-1]) or None)
+    """`cfg` planning with `table` (BucketConfig.budget_table: the planners cut duration buckets at its edges)."""
+    bucket = dataclasses.replace(cfg.stream.bucket, budget_table=tuple(table))
     return dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, bucket=bucket))
 
 
@@ -59,7 +57,8 @@ class ClosedLoop:
 
     def boundary(self, comm: Collectives, model: torch.nn.Module, optimizer, device: torch.device,
                  epoch: int, step: int) -> tuple[Table | None, dict]:
-        """At the first batch of `epoch`: (the new table, or None when nothing moved; the metrics row)."""
+        """At the first batch of `epoch`, before `step` (the first planned with the result): (the new table, or
+        None when nothing moved; the metrics row)."""
         assert self.table is not None and self.tuned is not None and self.limit
         fixed = (float(torch.cuda.memory_allocated(device)) if device.type == "cuda"
                  else float(state_bytes(model, optimizer)))

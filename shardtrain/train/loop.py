@@ -105,7 +105,7 @@ def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | Non
     return CharVocab(chars[0] or [])
 
 
-def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -195,7 +195,7 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
     if tc.qat:  # fake-quant Linear layers (train/qat.py); parameters and state_dict keys are unchanged
         log.info("quantization-aware training: %d Linear layers fake-quantized", enable_qat(raw_model))
     raw_model = raw_model.to(device)
-    optimizer = _optimizer(raw_model, tc)
+    optimizer = make_optimizer(raw_model, tc)
     run = _Run(tok=tok, raw_model=raw_model, model=raw_model, optimizer=optimizer,
                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc)),
                scaler=torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16"))
@@ -378,7 +378,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
 def _epoch_boundary(cfg: RunConfig, run: _Run, closed: ClosedLoop, comm: Collectives, device: torch.device,
                     epoch: int, metrics: MetricsLogger) -> RunConfig | None:
     """Between epochs: the closed loop's decision over all ranks; the config with the new table if one moved."""
-    table, row = closed.boundary(comm, run.raw_model, run.optimizer, device, epoch, run.step)
+    table, row = closed.boundary(comm, run.raw_model, run.optimizer, device, epoch, run.step + 1)
     metrics.log(row)
     return None if table is None else with_table(cfg, table)
 
