@@ -69,8 +69,9 @@ class _TrackedStream(BatchStream):
 class ShardDataModule(pl.LightningDataModule):
     """Train (and optionally validation) batches from shardtrain datasets, split by the Trainer's rank/world size.
 
-    `stream.epochs=None` (the default) streams forever: drive the Trainer with `max_steps` and an integer
-    `val_check_interval`. Validation reads the whole validation set once per check (`val_max_batches` caps it).
+    Training batches stream forever (stream.epochs is set to None, as the trainer does): drive the Trainer with
+    `max_steps` and an integer `val_check_interval`. Validation reads the whole validation set once per check
+    (`val_max_batches` caps it).
     """
 
     def __init__(self, train_url: str, val_url: str | None = None, *, stream: StreamConfig | None = None,
@@ -90,7 +91,8 @@ class ShardDataModule(pl.LightningDataModule):
         return World(rank=t.global_rank, world_size=t.world_size, local_rank=t.local_rank)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        loader = build_loader(self.train_url, world=self._world(), seed=self.seed, cfg=self.stream,
+        loader = build_loader(self.train_url, world=self._world(), seed=self.seed,
+                              cfg=dataclasses.replace(self.stream, epochs=None),
                               state=self._state, storage_options=self.storage_options)
         self._pending.clear()
         return torch.utils.data.DataLoader(_TrackedStream(loader, self._pending), batch_size=None)

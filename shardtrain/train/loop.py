@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -295,8 +295,9 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     if run.resized is not None:
         metrics.log(run.resized.row(run.step))
     keylog = KeyLog(out, world.rank, run.step) if tc.log_keys else None
-    loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=cfg.stream, state=run.loader_state,
-                          storage_options=storage_options)
+    # an endless stream, asked for explicitly (a default StreamConfig runs one epoch): max_steps ends training
+    loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=replace(cfg.stream, epochs=None),
+                          state=run.loader_state, storage_options=storage_options)
     batches = iter(loader)
     augmenters = Augmenters(cfg, device)
     bar = tqdm(total=tc.max_steps, initial=run.step, dynamic_ncols=True,
