@@ -46,10 +46,19 @@ class ClosedLoop:
         self.table, self.cfg, self.limit = table, cfg, limit_bytes
         self.tuned = tuned or table
         self.peaks: list[float] = [-1.0] * len(table or ())
+        self.done_epoch = -1
+        """The last epoch whose start was decided (its first batch comes again from the rebuilt loader)."""
 
     @property
     def active(self) -> bool:
         return bool(self.table) and self.cfg.adapt and bool(self.limit)
+
+    def due(self, item: tuple) -> bool:
+        """`item` (batch, state) is the first batch of an epoch not yet decided (not of a re-striped rest of
+        one: that has a chain)."""
+        batch, state = item
+        return (self.active and batch.step == 0 and batch.epoch > max(0, self.done_epoch)
+                and not state.get("chain"))
 
     def record(self, bucket: int, peak: float) -> None:
         if self.table and 0 <= bucket < len(self.peaks):
@@ -60,6 +69,7 @@ class ClosedLoop:
         """At the first batch of `epoch`, before `step` (the first planned with the result): (the new table, or
         None when nothing moved; the metrics row)."""
         assert self.table is not None and self.tuned is not None and self.limit
+        self.done_epoch = epoch
         fixed = (float(torch.cuda.memory_allocated(device)) if device.type == "cuda"
                  else float(state_bytes(model, optimizer)))
         # max over ranks via sum of one-hot slots would cost W x buckets; a max of finite values is enough here

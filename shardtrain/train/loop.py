@@ -316,14 +316,15 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                 # global RNG for dropout only, so a resumed run (new iterator) continues the same dropout stream
                 with torch.random.fork_rng(devices=[]):
                     item = next(batches)
-                if not micro and closed.active and run.loader_state and item[0].epoch > run.loader_state["epoch"]:
+                if not micro and closed.due(item):
                     new_cfg = _epoch_boundary(cfg, run, closed, comm, device, item[0].epoch, metrics)
                     if new_cfg is not None:  # this epoch's first batch was planned with the old table: re-plan
                         cfg = new_cfg
                         batches.close()
-                        run.loader_state = {**run.loader_state, "epoch": item[0].epoch, "step": 0, "chain": []}
-                        loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=cfg.stream,
-                                              state=run.loader_state, storage_options=storage_options)
+                        state = {**(run.loader_state or item[1]), "epoch": item[0].epoch, "step": 0, "chain": []}
+                        loader = build_loader(data_sources(tc), world=world, seed=tc.seed,
+                                              cfg=replace(cfg.stream, epochs=None), state=state,
+                                              storage_options=storage_options)
                         batches = iter(loader)
                         continue
                 micro.append(item)
