@@ -305,7 +305,8 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     last: dict = {}
     tokenless = 0
     meter = _Interval()
-    mem = MemoryMeter(device, run.raw_model, run.optimizer) if closed.active else None
+    # peak memory per step: for the closed loop, or reported (mem_peak_mb) when a memory limit is set
+    mem = MemoryMeter(device, run.raw_model, run.optimizer) if closed.active or cfg.budget.memory_limit_mb else None
     run.model.train()
     try:
         while run.step < tc.max_steps:
@@ -338,6 +339,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                                  table=closed.table, splits=run.splits, meter=mem, fault=oom_point)
             loss, global_tokens = res.loss, res.global_tokens
             for bucket, peak in res.peaks:
+                meter.mem_peak = max(meter.mem_peak, peak)
                 closed.record(bucket, peak)
             for ev in res.events:
                 run.oom_splits += 1
@@ -415,6 +417,8 @@ class _Interval:
     audio_s: float = 0.0
     wait_s: float = 0.0
     pause_s: float = 0.0
+    mem_peak: float = 0.0
+    """Largest peak of a step in the interval (bytes; train/memory.py), when measured."""
     t0: float = field(default_factory=time.perf_counter)
 
     def add(self, loss: float, tokens: float, audio_s: float) -> None:
@@ -431,7 +435,9 @@ class _Interval:
                "skipped": int(skipped_g), "epoch": epoch}
         if device.type == "cuda":
             row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        self.loss = self.tokens = self.audio_s = self.wait_s = self.pause_s = 0.0
+        if self.mem_peak:
+            row["mem_peak_mb"] = comm.max([self.mem_peak])[0] / 2**20
+        self.loss = self.tokens = self.audio_s = self.wait_s = self.pause_s = self.mem_peak = 0.0
         self.t0 = time.perf_counter()
         return row
 
