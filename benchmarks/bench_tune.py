@@ -1,6 +1,6 @@
 """Per-bucket budgets from `shardtrain tune` against the best single max_batch_seconds at the same memory target.
 
-    tone corpus (make_corpus, durations uniform in 1-16 s) -> `shardtrain pack` (cached in --work-dir)
+    tone corpus (make_corpus, durations uniform in 2-16 s) -> `shardtrain pack` (cached in --work-dir)
     -> tune (train/tune.py) on the device at --memory-mb: the table, its tune time
     -> peer: one max_batch_seconds = the smallest budget of the table (the best single budget whose batches never
        exceed the target: the longest bucket's, by the same measurement)
@@ -31,25 +31,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_rss import dataset  # noqa: E402  (tone corpus, durations uniform in 2-16 s, packed once)
 from common import DEFAULT_WORK_DIR, REPO, git_sha, machine, markdown_table  # noqa: E402
 
 SETTINGS = ["train.progress=false", "train.tensorboard=false", "train.log_every_steps=1", "train.val_every_steps=0",
             "train.ckpt_every_steps=0", "train.log_keys=true", "train.cpu_threads=1", "budget.adapt=false",
             "train.warmup_steps=10"]
-
-
-def dataset(work: Path, n: int) -> str:
-    import numpy as np
-
-    from shardtrain.pack.packer import PackConfig, pack
-    from shardtrain.testing.corpus import make_corpus
-
-    ds = work / f"tune-ds-{n}"
-    if not (ds / "manifest.json").exists():
-        durs = [float(x) for x in np.random.default_rng(0).uniform(1, 16, n).round(2)]
-        make_corpus(work / f"tune-corpus-{n}", durs, seed=0)
-        pack(PackConfig(input=str(work / f"tune-corpus-{n}"), output=str(ds), workers=1, progress=False))
-    return str(ds)
 
 
 def tune_table(ds: str, memory_mb: float, buckets: int, out: Path) -> dict:

@@ -79,12 +79,15 @@ def test_tune_on_cpu_writes_one_budget_per_bucket_larger_for_short_ones(data, tm
     assert "bucket <= s" in capsys.readouterr().out
 
 
-def test_largest_fit_doubles_then_bisects():
+def test_largest_fit_gallops_from_a_start_then_bisects():
     calls: list[int] = []
     n, probes = largest_fit(lambda k: calls.append(k) or k <= 37, 1000)
     assert n == 37 and probes == len(calls) and calls[:7] == [1, 2, 4, 8, 16, 32, 64] and probes <= 13
-    assert largest_fit(lambda k: k <= 5, 3) == (3, 3)  # capped by n_max without a miss
-    assert largest_fit(lambda k: False, 8)[0] == 0
+    calls.clear()
+    assert largest_fit(lambda k: calls.append(k) or k <= 37, 1000, start=40)[0] == 37
+    assert calls[:2] == [40, 20] and len(calls) <= 7  # a good start (the previous bucket's) saves probes
+    for n_max, limit, start in [(3, 5, 1), (8, 0, 4), (50, 49, 50), (50, 1, 7), (9, 9, 1)]:
+        assert largest_fit(lambda k: k <= limit, n_max, start)[0] == min(limit, n_max)
 
 
 def test_adapt_tightens_near_the_limit_loosens_far_below_and_stays_in_bounds():

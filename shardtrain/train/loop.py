@@ -3,10 +3,11 @@
     Loader (batch, state) x grad_accum_steps
       -> targets via the tokenizer; ONE all-reduce of the token count (the loss denominator across ranks)
       -> waves.to(device) -> DeviceAugment(generator seeded from (seed, epoch, step, rank)) -> feats
-      -> model (DDP; no_sync on all but the last micro-batch) -> CTC loss summed over tokens
-      -> backward of loss_sum * world_size / global_tokens   (DDP averages gradients, so this is the
-         exact per-token mean over every rank and micro-batch, whatever each rank's batch size)
+      -> model -> CTC loss summed over tokens -> backward of loss_sum * world_size / global_tokens (gradients
+         averaged over ranks, so this is the exact per-token mean over every rank and micro-batch, whatever each
+         rank's batch size); an out-of-memory error is redone in halves on every rank's agreement (update.py)
       -> unscale, clip, AdamW step, warm-up + cosine lr -> log / validate / checkpoint
+      -> between epochs: per-bucket budgets moved by the measured peak memory (closedloop.py, `--batch-budget`)
 
 One process on CPU:
     shardtrain train --data shards/train --val-data shards/dev --pipeline tiny_cpu --max-steps 500 --out runs/tiny

@@ -5,8 +5,9 @@
       -> probe(n): n synthetic waves of L seconds through the real pipeline (augmentation, features padded to
          the longest speed-perturbed length, model, CTC loss, backward, AdamW step, the AMP setting) -> peak bytes
       -> n = 1, 2, 4, ... until a probe exceeds the target, then bisection between the last fit and the first miss
-      -> budget = n x cost(shortest in the bucket) (summed budgets: any n utterances of the bucket, padded to L,
-         fit) or n x cost(L) (padded budgets) -> budget.json (train/budget.py) + step time at that n
+      -> budget = cost(L) + (n - 1) x cost(shortest in the bucket) (summed budgets: the worst batch, one
+         utterance of L and the rest as short as the bucket allows, all padded to L, holds n) or n x cost(L) (padded
+         budgets) -> budget.json (train/budget.py) + step time at that n
 
 Memory is measured, not modelled: on CUDA torch.cuda.max_memory_allocated against total x --memory-fraction (an
 OOM during a probe counts as a miss); on the CPU the figure of train/memory.py (parameters, gradients, optimiser
@@ -117,15 +118,24 @@ class Prober:
         return peak, time.perf_counter() - t0
 
 
-def largest_fit(fits, n_max: int) -> tuple[int, int]:
-    """(largest n in [1, n_max] with fits(n), probes) by doubling then bisection; 0 when even 1 misses."""
-    probes, lo, hi, n = 0, 0, n_max + 1, 1
-    while n <= n_max:
+def largest_fit(fits, n_max: int, start: int = 1) -> tuple[int, int]:
+    """(largest n in [1, n_max] with fits(n), probes), fits assumed monotone: from `start` (the previous bucket's
+    answer scaled by length) doubling up after a fit or halving down after a miss until the other outcome, then
+    bisection between the two; 0 when even 1 misses. ~log2(distance to the answer) + log2(bracket) probes."""
+    probes, lo, hi = 0, 0, n_max + 1  # lo: largest known fit (0: none), hi: smallest known miss
+    n = min(max(1, start), n_max)
+    while True:
         probes += 1
-        if not fits(n):
+        if fits(n):
+            lo = n
+            if hi <= n_max or n == n_max:
+                break
+            n = min(2 * n, n_max)
+        else:
             hi = n
-            break
-        lo, n = n, n * 2
+            if lo > 0 or n == 1:
+                break
+            n = max(1, n // 2)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         probes += 1
@@ -147,10 +157,11 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
     prober = Prober(cfg, vocab_size, device, cfg.train.seed)
     prober.probe(1, buckets[0].shortest_s)  # allocates the optimiser state, which every later step holds
     rows, table = [], []
+    prev: tuple[int, float] | None = None
     for bk in tqdm(buckets, desc="tune", unit="bucket", disable=not progress):
         longest = float(cost_s(np.array([bk.longest_s]), _plain(b))[0])
         unit = longest if b.padded_budget else float(cost_s(np.array([bk.shortest_s]), _plain(b))[0])
-        n_max = max(1, int(max_batch_seconds // unit))
+        n_max = max(1, int((max_batch_seconds - longest) // unit) + 1)
         if b.max_batch_size is not None:
             n_max = min(n_max, b.max_batch_size)
         seen: dict[int, float] = {}
@@ -159,12 +170,15 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
             seen[n] = prober.probe(n, bk.longest_s)[0]
             return seen[n] <= target_bytes
 
-        n, probes = largest_fit(fits, n_max)
+        n, probes = largest_fit(fits, n_max, start=int(prev[0] * prev[1] / bk.longest_s) if prev else 1)
+        prev = (max(n, 1), bk.longest_s)
         if n == 0:
             log.warning("bucket <= %.2f s: one utterance of %.2f s does not fit %.0f MB; budgeting one anyway "
                         "(OOM splitting cannot help a single utterance)", bk.longest_s, bk.longest_s, target_bytes / 2**20)
         step_s = prober.probe(max(n, 1), bk.longest_s)[1]  # warm now: the step time at the chosen size
-        budget = round(max(n, 1) * unit, 3)
+        # summed budgets: the worst batch of the bucket under b is one utterance of L and the rest as short as the
+        # bucket allows, all padded to L: (1 + (b - L) / shortest) x L <= n x L  <=>  b <= L + (n - 1) x shortest
+        budget = round(longest + (max(n, 1) - 1) * unit, 3)
         table.append((round(bk.longest_s, 4), budget))
         rows.append({"edge_s": round(bk.longest_s, 4), "shortest_s": round(bk.shortest_s, 4), "rows": bk.rows,
                      "utterances": n, "batch_seconds": budget, "padded_seconds": round(max(n, 1) * bk.longest_s, 3),
