@@ -176,4 +176,6 @@ def test_injected_oom_is_redone_in_halves_with_the_same_losses(data, tmp_path, m
         assert sa == sb and b == pytest.approx(a, rel=1e-5, abs=1e-6), (la, lb)
     ma = torch.load(next((tmp_path / "a" / "checkpoints").glob("step_*")) / "model.pt", weights_only=True)
     mb = torch.load(next((tmp_path / "b" / "checkpoints").glob("step_*")) / "model.pt", weights_only=True)
-    assert all(torch.allclose(ma[k], mb[k], rtol=1e-4, atol=1e-6) for k in ma)
+    # Adam normalises each update, so a parameter with a near-zero gradient can move by up to ~lr on rounding
+    # noise alone: compare against the step size, not bitwise
+    assert max(float((ma[k] - mb[k]).abs().max()) for k in ma) < 3e-4
