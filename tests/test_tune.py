@@ -179,3 +179,17 @@ def test_injected_oom_is_redone_in_halves_with_the_same_losses(data, tmp_path, m
     # Adam normalises each update, so a parameter with a near-zero gradient can move by up to ~lr on rounding
     # noise alone: compare against the step size, not bitwise
     assert max(float((ma[k] - mb[k]).abs().max()) for k in ma) < 3e-4
+
+
+def test_oom_fault_action_fires_only_where_a_point_accepts_it(monkeypatch, tmp_path):
+    from shardtrain.train.memory import is_oom
+
+    monkeypatch.setenv(faults.ENV, "train.step.rank0=5:oom")
+    faults.point("train.step.rank0", 5)  # the after-step point (raise/kill) ignores an oom entry
+    with pytest.raises(torch.OutOfMemoryError, match="injected") as e:
+        faults.point("train.step.rank0", 5, actions=("oom",), once_marker=tmp_path / "m")
+    assert is_oom(e.value) and is_oom(RuntimeError("CUDA error: out of memory")) and not is_oom(RuntimeError("x"))
+    faults.point("train.step.rank0", 5, actions=("oom",), once_marker=tmp_path / "m")  # fired once
+    monkeypatch.setenv(faults.ENV, "train.step.rank0=5:explode")
+    with pytest.raises(ValueError, match="raise\\|kill\\|oom"):
+        faults.point("train.step.rank0", 5)
