@@ -214,26 +214,41 @@ def batch_cost(costs: np.ndarray, cfg: BucketConfig) -> float:
     return float(costs.max() * len(costs)) if cfg.padded_budget else float(costs.sum())
 
 
-def _min_bucket_batches(cfg: BucketConfig) -> int:
-    """Batches per rank a bucket must hold at least. Contiguous chunks (run_mb=0) get 8, else small buckets
-    quantise them into part-full batches; mixed chunks deal at random inside their bucket, so padding depends on
-    the bucket's width, and one batch per rank is enough."""
-    return 8 if cfg.run_mb <= 0 else 1
+UNIT_FILL = 0.96
+"""Mixed chunks: planned audio per batch as a share of max_batch_seconds. Buckets hold whole numbers of such
+batches per rank, and the deal balances batch costs (`_balance`), so batches come out ~0.95 full."""
+
+
+def _bucket_units(total_cost: float, world_size: int, cfg: BucketConfig) -> tuple[int, int]:
+    """(K, k): the epoch holds K batches per rank at ~UNIT_FILL of the budget, and a bucket k of them (the last
+    bucket the remainder), k the fewest that keeps within `num_buckets` buckets (a multiple of batches_per_chunk above it). Why whole batches: a bucket of
+    1.48 batches per rank deals into 2 batches of 74%; bucket edges at whole batches leave only the last bucket
+    part-full. k also sets variety: rows of a bucket meet in a batch with probability ~1/k a uniform shuffle's."""
+    units = max(1, math.ceil(total_cost / (world_size * cfg.max_batch_seconds * UNIT_FILL) - 1e-9))
+    k = max(1, math.ceil(units / cfg.num_buckets))
+    m = cfg.batches_per_chunk
+    return units, (k if k <= m else math.ceil(k / m) * m)  # a bucket of several chunks: whole chunks
 
 
 def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_size: int) -> list[np.ndarray]:
     """Split duration-sorted `rows` into buckets, merging any bucket with fewer than world_size rows.
 
-    Estimated bins are capped so a bucket holds at least eight full batches per rank: chunks are cut inside a
-    bucket, so a small bucket quantises them into part-full batches; more buckets than that does not improve
-    padding either (a chunk is a contiguous run of the duration order whatever the bucket width).
+    Mixed chunks (run_mb > 0): edges where the running budget cost passes each multiple of k batches per rank
+    (`_bucket_units`), so every bucket but the last deals into full batches. Contiguous chunks (run_mb=0):
+    equal-audio bins capped so a bucket holds at least eight batches per rank (chunks are cut inside a bucket, so
+    a small bucket quantises them into part-full batches). `bins_s` overrides both.
     """
     if cfg.bins_s is not None:
-        edges = np.asarray(cfg.bins_s, float)
+        ids = np.searchsorted(np.asarray(cfg.bins_s, float), dur[rows], side="right")
+    elif cfg.run_mb > 0:
+        cum = np.cumsum(cost_s(dur[rows], cfg))
+        units, k = _bucket_units(float(cum[-1]) if len(cum) else 0.0, world_size, cfg)
+        step = float(cum[-1]) / units * k if len(cum) else 1.0
+        ids = np.floor((cum - 0.5 * cost_s(dur[rows], cfg)) / step).astype(np.int64)  # a row goes where its middle is
     else:
-        fill = float(cost_s(dur[rows], cfg).sum()) / (_min_bucket_batches(cfg) * world_size * cfg.max_batch_seconds)
-        edges = estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill))))
-    ids = np.searchsorted(edges, dur[rows], side="right")
+        fill = float(cost_s(dur[rows], cfg).sum()) / (8 * world_size * cfg.max_batch_seconds)
+        ids = np.searchsorted(estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill)))), dur[rows],
+                              side="right")
     # rows are sorted by duration, so bucket ids are non-decreasing: split at changes
     cuts = np.flatnonzero(np.diff(ids)) + 1
     buckets = [b for b in np.split(rows, cuts) if len(b)]
@@ -258,6 +273,11 @@ def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: Bu
     lo = max(1, math.ceil(cost / (cfg.batches_per_chunk * per_batch)), math.ceil(nbytes / (cfg.chunk_mb * 1e6)))
     first = math.ceil(lo / world_size) * world_size
     mixed = cfg.run_mb > 0
+    if mixed and cfg.bins_s is None and not cfg.padded_budget:  # buckets of whole batches (_bucket_ranges)
+        per_rank = cost / (world_size * cfg.max_batch_seconds * UNIT_FILL)  # batches per rank, ~whole
+        n = math.ceil(max(per_rank - 0.02, 1.0) / cfg.batches_per_chunk) * world_size
+        n = max(n, math.ceil(nbytes / (cfg.chunk_mb * 1e6) / world_size) * world_size)
+        return min(n, (rows // world_size) * world_size)
     if mixed:  # a random deal gives some batch one row more than the mean: leave room for the longest
         per_batch = max(cfg.max_batch_seconds - row_max, 0.5 * cfg.max_batch_seconds)
     best_fill, best_n = -1.0, (rows // world_size) * world_size
@@ -396,6 +416,42 @@ def _batches_needed(rows: np.ndarray, costs: np.ndarray, cfg: BucketConfig) -> i
     return max(m, 1)
 
 
+def _balance(batches: list[np.ndarray], costs: np.ndarray, run_of: dict[int, int] | None, budget: float,
+             tries: int = 64) -> list[np.ndarray] | None:
+    """Swap single rows between the heaviest and the lightest batch until every batch fits the budget (None if it
+    cannot). A random deal gives equal row counts, not equal seconds: a batch can land a few percent over the mean
+    and cost the whole group one more, part-full batch (the fill lost before whole-batch buckets). A swap keeps
+    both batch sizes, and never puts a row beside a run-mate (`run_of`: row -> run) when another swap would do.
+    A few swaps per chunk, each O(batch rows)."""
+    out = [b.copy() for b in batches]
+    loads = np.array([float(costs[b].sum()) for b in out])
+    for _ in range(tries):
+        h, lo = int(np.argmax(loads)), int(np.argmin(loads))
+        if loads[h] <= budget + 1e-9:
+            return out
+        want = 0.5 * (loads[h] - loads[lo])  # the swap that evens the two
+        ch, cl = costs[out[h]], costs[out[lo]]
+        order = np.argsort(cl)
+        j = np.clip(np.searchsorted(cl[order], ch - want), 0, len(cl) - 1)
+        gain = ch - cl[order][j]  # seconds moved from h to lo by swapping h's row i with lo's row order[j]
+        bad = (gain <= 1e-12) | (loads[lo] + gain > budget + 1e-9)
+        if run_of is not None:  # prefer swaps that keep run-mates apart
+            runs_lo = {run_of[int(r)] for r in out[lo]}
+            runs_h = {run_of[int(r)] for r in out[h]}
+            mates = np.array([run_of[int(r)] in runs_lo for r in out[h]]) | \
+                np.array([run_of[int(out[lo][order[k]])] in runs_h for k in j])
+            if (~bad & ~mates).any():
+                bad |= mates
+        if bad.all():
+            return None
+        i = int(np.argmin(np.where(bad, np.inf, np.abs(gain - want))))
+        k = int(order[j[i]])
+        out[h][i], out[lo][k] = out[lo][k], out[h][i]
+        loads[h] -= gain[i]
+        loads[lo] += gain[i]
+    return out if loads.max() <= budget + 1e-9 else None
+
+
 def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
                exclude: np.ndarray | None = None) -> EpochPlan:
     """Every rank's batches for one epoch. Pure: the same arguments always give the same plan.
@@ -425,7 +481,14 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
             m = max(_batches_needed(p, costs, cfg) for p, _ in members)
             while True:
                 dealt = [_deal(p, m, rng) if cfg.run_mb <= 0 else deal_runs(p, r, m, rng) for p, r in members]
-                if all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for d in dealt for b in d):
+                fits = [all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for b in d) for d in dealt]
+                if not all(fits) and cfg.run_mb > 0 and not cfg.padded_budget:  # even out seconds, not counts
+                    for i in (i for i, f in enumerate(fits) if not f):
+                        fixed = _balance(dealt[i], costs, dict(zip(members[i][0].tolist(), members[i][1].tolist())),
+                                         cfg.max_batch_seconds)
+                        if fixed is not None:
+                            dealt[i], fits[i] = fixed, True
+                if all(fits):
                     break
                 m += 1
             rot = (g0 // world_size) % world_size  # rotate so no rank always gets a bucket's shortest chunk
