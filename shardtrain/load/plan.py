@@ -219,15 +219,18 @@ UNIT_FILL = 0.96
 batches per rank, and the deal balances batch costs (`_balance`), so batches come out ~0.95 full."""
 
 
+MIN_BUCKET_BATCHES = 2
+"""Batches per rank a bucket holds at least (where the epoch has that many): a bucket of one batch per rank
+would give every rank the same batch-mates every epoch, whatever the deal."""
+
+
 def _bucket_units(total_cost: float, world_size: int, cfg: BucketConfig) -> tuple[int, int]:
     """(K, k): the epoch holds K batches per rank at ~UNIT_FILL of the budget, and a bucket k of them (the last
-    bucket the remainder), k the fewest that keeps within `num_buckets` buckets (a multiple of batches_per_chunk above it). Why whole batches: a bucket of
+    bucket the remainder), k the fewest that keeps within `num_buckets` buckets, and at least MIN_BUCKET_BATCHES. Why whole batches: a bucket of
     1.48 batches per rank deals into 2 batches of 74%; bucket edges at whole batches leave only the last bucket
     part-full. k also sets variety: rows of a bucket meet in a batch with probability ~1/k a uniform shuffle's."""
     units = max(1, math.ceil(total_cost / (world_size * cfg.max_batch_seconds * UNIT_FILL) - 1e-9))
-    k = max(1, math.ceil(units / cfg.num_buckets))
-    m = cfg.batches_per_chunk
-    return units, (k if k <= m else math.ceil(k / m) * m)  # a bucket of several chunks: whole chunks
+    return units, max(min(units, MIN_BUCKET_BATCHES), math.ceil(units / cfg.num_buckets))
 
 
 def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_size: int) -> list[np.ndarray]:
@@ -273,11 +276,6 @@ def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: Bu
     lo = max(1, math.ceil(cost / (cfg.batches_per_chunk * per_batch)), math.ceil(nbytes / (cfg.chunk_mb * 1e6)))
     first = math.ceil(lo / world_size) * world_size
     mixed = cfg.run_mb > 0
-    if mixed and cfg.bins_s is None and not cfg.padded_budget:  # buckets of whole batches (_bucket_ranges)
-        per_rank = cost / (world_size * cfg.max_batch_seconds * UNIT_FILL)  # batches per rank, ~whole
-        n = math.ceil(max(per_rank - 0.02, 1.0) / cfg.batches_per_chunk) * world_size
-        n = max(n, math.ceil(nbytes / (cfg.chunk_mb * 1e6) / world_size) * world_size)
-        return min(n, (rows // world_size) * world_size)
     if mixed:  # a random deal gives some batch one row more than the mean: leave room for the longest
         per_batch = max(cfg.max_batch_seconds - row_max, 0.5 * cfg.max_batch_seconds)
     best_fill, best_n = -1.0, (rows // world_size) * world_size
@@ -288,6 +286,24 @@ def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: Bu
         if fill > best_fill + (0.02 if mixed else 1e-9):
             best_fill, best_n = fill, n
     return best_n
+
+
+def _chunk_shares(c: np.ndarray, nbytes: float, world_size: int, cfg: BucketConfig) -> np.ndarray | None:
+    """Batches of each chunk, for a bucket of whole batches (`_bucket_ranges` with mixed chunks): the bucket's u
+    batches per rank spread over the fewest chunks of <= batches_per_chunk batches and <= chunk_mb (18 -> 4, 4, 4,
+    3, 3), each repeated for the world_size chunks of its group. Chunks are then cut in proportion, so every one
+    deals into full batches. u counts batches of UNIT_FILL, or of what fits where rows are coarse against the
+    budget (15 s rows: 7 to a 120 s batch, 89%). None where buckets are not cut in whole batches (bins_s,
+    padded_budget, run_mb=0). `c`: the bucket's budget costs."""
+    if cfg.run_mb <= 0 or cfg.bins_s is not None or cfg.padded_budget:
+        return None
+    cost, rows, budget = float(c.sum()), len(c), cfg.max_batch_seconds
+    fill = min(UNIT_FILL, (budget // float(c.max())) * float(c.mean()) / budget)
+    units = max(1, math.ceil(cost / (world_size * budget * fill) - 0.02))
+    per_rank = max(math.ceil(units / cfg.batches_per_chunk), math.ceil(nbytes / (cfg.chunk_mb * 1e6) / world_size))
+    per_rank = max(1, min(per_rank, rows // world_size))
+    shares = np.full(per_rank, units // per_rank) + (np.arange(per_rank) < units % per_rank)
+    return np.repeat(np.maximum(shares, 1), world_size).astype(np.float64)
 
 
 def _cut_runs(bucket: np.ndarray, weights: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -355,12 +371,15 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     large sequential one (k = 1 with run_mb=0: n equal-audio pieces, the contiguous layout).
     """
     nbytes = float(idx.size[bucket].sum())
-    n = _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
+    shares = _chunk_shares(costs[bucket], nbytes, world_size, cfg)
+    n = len(shares) if shares is not None else \
+        _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
     n_runs = _run_count(bucket, nbytes, costs, n, cfg)
-    if n_runs > n:  # runs of equal rows in random order, then cut into n chunks of equal audio
+    if n_runs > n or (shares is not None and n > 1):  # runs in random order, cut into n chunks of their shares
         seq, run_of = _shuffled_runs(bucket, n_runs, rng)
         cum = np.cumsum(costs[seq])
-        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left")
+        share = np.cumsum(shares)[:-1] / shares.sum() if shares is not None else np.arange(1, n) / n
+        cuts = np.searchsorted(cum, cum[-1] * share, side="left")
         pieces = list(zip(np.split(seq, cuts), np.split(run_of, cuts)))
     else:  # one run per chunk (ascending: the wrap-around piece's two byte ranges in order)
         runs = _cut_runs(bucket, costs[bucket], n, rng)
@@ -418,38 +437,55 @@ def _batches_needed(rows: np.ndarray, costs: np.ndarray, cfg: BucketConfig) -> i
 
 def _balance(batches: list[np.ndarray], costs: np.ndarray, run_of: dict[int, int] | None, budget: float,
              tries: int = 64) -> list[np.ndarray] | None:
-    """Swap single rows between the heaviest and the lightest batch until every batch fits the budget (None if it
-    cannot). A random deal gives equal row counts, not equal seconds: a batch can land a few percent over the mean
-    and cost the whole group one more, part-full batch (the fill lost before whole-batch buckets). A swap keeps
-    both batch sizes, and never puts a row beside a run-mate (`run_of`: row -> run) when another swap would do.
-    A few swaps per chunk, each O(batch rows)."""
+    """Swap single rows between the heaviest batch and a lighter one until every batch fits the budget (None if
+    it cannot). A random deal gives equal row counts, not equal seconds: a batch can land a few percent over the
+    mean and cost the whole group one more, part-full batch (the fill lost before whole-batch buckets). A swap
+    keeps both batch sizes, and never puts a row beside a run-mate (`run_of`: row -> run) when another swap
+    would do. A few swaps per chunk, each O(batch rows)."""
     out = [b.copy() for b in batches]
     loads = np.array([float(costs[b].sum()) for b in out])
     for _ in range(tries):
-        h, lo = int(np.argmax(loads)), int(np.argmin(loads))
+        h = int(np.argmax(loads))
         if loads[h] <= budget + 1e-9:
             return out
-        want = 0.5 * (loads[h] - loads[lo])  # the swap that evens the two
-        ch, cl = costs[out[h]], costs[out[lo]]
-        order = np.argsort(cl)
-        j = np.clip(np.searchsorted(cl[order], ch - want), 0, len(cl) - 1)
-        gain = ch - cl[order][j]  # seconds moved from h to lo by swapping h's row i with lo's row order[j]
-        bad = (gain <= 1e-12) | (loads[lo] + gain > budget + 1e-9)
-        if run_of is not None:  # prefer swaps that keep run-mates apart
-            runs_lo = {run_of[int(r)] for r in out[lo]}
-            runs_h = {run_of[int(r)] for r in out[h]}
-            mates = np.array([run_of[int(r)] in runs_lo for r in out[h]]) | \
-                np.array([run_of[int(out[lo][order[k]])] in runs_h for k in j])
-            if (~bad & ~mates).any():
-                bad |= mates
-        if bad.all():
+        for lo in np.argsort(loads).tolist():  # the lightest first: the swap that evens the two
+            if lo == h:
+                return None
+            swap = _best_swap(out[h], out[lo], costs, run_of, 0.5 * (loads[h] - loads[lo]), budget - loads[lo])
+            if swap is not None:
+                break
+        else:
             return None
-        i = int(np.argmin(np.where(bad, np.inf, np.abs(gain - want))))
-        k = int(order[j[i]])
+        i, k, gain = swap
         out[h][i], out[lo][k] = out[lo][k], out[h][i]
-        loads[h] -= gain[i]
-        loads[lo] += gain[i]
+        loads[h] -= gain
+        loads[lo] += gain
     return out if loads.max() <= budget + 1e-9 else None
+
+
+def _best_swap(heavy: np.ndarray, light: np.ndarray, costs: np.ndarray, run_of: dict[int, int] | None,
+               want: float, room: float) -> tuple[int, int, float] | None:
+    """(i, k, seconds moved) of the swap of heavy[i] with light[k] that moves closest to `want` seconds, more
+    than none and at most `room`, run-mates kept apart where possible; None if there is none."""
+    ch, cl = costs[heavy], costs[light]
+    if len(ch) == 0 or len(cl) == 0:
+        return None
+    order = np.argsort(cl)
+    j = np.clip(np.searchsorted(cl[order], ch - want), 0, len(cl) - 1)
+    j = np.where((ch - cl[order][j] > room) & (j + 1 < len(cl)), j + 1, j)  # the next lighter row if too much
+    gain = ch - cl[order][j]
+    bad = (gain <= 1e-12) | (gain > room + 1e-9)
+    if run_of is not None and (~bad).any():
+        runs_lo = {run_of[int(r)] for r in light}
+        runs_h = {run_of[int(r)] for r in heavy}
+        mates = np.array([run_of[int(r)] in runs_lo for r in heavy]) | \
+            np.array([run_of[int(light[order[x]])] in runs_h for x in j])
+        if (~bad & ~mates).any():
+            bad |= mates
+    if bad.all():
+        return None
+    i = int(np.argmin(np.where(bad, np.inf, np.abs(gain - want))))
+    return i, int(order[j[i]]), float(gain[i])
 
 
 def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
