@@ -123,6 +123,7 @@ def loader_run(url: str, max_batch_seconds: float, epochs: int, bucket: dict | N
     """Run in a fresh interpreter: `epochs` of the real loader (one rank, default threads; local disk, or S3
     with `storage_options`), with `bucket` / `stream` fields set over the defaults of the checkout it runs in
     (empty for another tree's shipped defaults, whatever fields that tree has)."""
+    import shardtrain
     from shardtrain.load.bench import BenchConfig, bench_loader
     from shardtrain.load.config import StreamConfig
     from shardtrain.load.plan import BucketConfig
@@ -133,7 +134,7 @@ def loader_run(url: str, max_batch_seconds: float, epochs: int, bucket: dict | N
     out = bench_loader(url, world=World(), seed=0, stream=cfg, bench=BenchConfig(epochs=epochs),
                        storage_options=storage_options)
     cpu = _cpu_s() - cpu0  # every thread of this process and its reaped children (DataLoader workers)
-    return {**out, "cpu_seconds": round(cpu, 3), "audio_s_per_cpu_s": round(out["audio_seconds"] / max(cpu, 1e-9), 1)}
+    return {**out, "shardtrain_from": str(Path(shardtrain.__file__).parent.parent), "cpu_seconds": round(cpu, 3), "audio_s_per_cpu_s": round(out["audio_seconds"] / max(cpu, 1e-9), 1)}
 
 
 def _cpu_s() -> float:
@@ -179,7 +180,7 @@ def throughput(ds: str, args: argparse.Namespace, url: str, storage_options: dic
             runs[label].append(common.run_isolated("bench_shuffle", "loader_run", {
                 "url": url, "max_batch_seconds": args.max_batch_seconds, "epochs": args.loader_epochs,
                 "bucket": bucket, "stream": stream, "storage_options": storage_options},
-                env={"PYTHONPATH": tree} if tree else None))
+                env={"PYTHONPATH": tree} if tree else None, cwd=tree))
             log.info("%s: %s audio-s/s", label, runs[label][-1]["audio_s_per_s"])
         runs["decode-only limit"].append(common.run_isolated("bench_loader", "run_decode_limit", {
             "paths": common.shard_paths(Path(ds)), "processes": 2, "epochs": args.loader_epochs}))
