@@ -101,6 +101,37 @@ def uniform_reference(idx, cfg, epochs: int, world_size: int, seed: int) -> list
     return out
 
 
+def fixed_reference(idx, cfg, epochs: int, seed: int) -> list[list[np.ndarray]]:
+    """The reference that does not move with the planner: `cfg.num_buckets` equal-audio buckets (lhotse's
+    DynamicBucketingSampler default, and shardtrain's buckets before whole-batch buckets), each shuffled
+    uniformly per epoch and split into ceil(its cost / budget) batches. A planner cannot look varied against it
+    by narrowing its own buckets."""
+    from shardtrain.load.plan import cost_s, estimate_bins
+
+    dur = idx.duration_s
+    keep = np.flatnonzero(cost_s(dur, cfg) <= cfg.max_batch_seconds)
+    rows = keep[np.argsort(dur[keep], kind="stable")]
+    ids = np.searchsorted(estimate_bins(dur[rows], cfg.num_buckets), dur[rows], side="right")
+    buckets = np.split(rows, np.flatnonzero(np.diff(ids)) + 1)
+    per = [max(1, int(np.ceil(float(cost_s(dur[b], cfg).sum()) / cfg.max_batch_seconds))) for b in buckets]
+    return [[p for b, m in zip(buckets, per) for p in np.array_split(b[np.random.default_rng([seed, e, 98])
+                                                                        .permutation(len(b))], m)]
+            for e in range(epochs)]
+
+
+def variety(idx, cfg, epochs: int, world_size: int, seed: int) -> dict:
+    """Pair repeat rate of shardtrain's plans beside both references (its own buckets, and fixed buckets)."""
+    n = len(idx)
+    ours = repeat_stats([plan_batches(idx, cfg, e, world_size, seed)[0] for e in range(epochs)], n)
+    own = repeat_stats(uniform_reference(idx, cfg, epochs, world_size, seed), n)
+    fixed = repeat_stats(fixed_reference(idx, cfg, epochs, seed), n)
+    rate = ours["pair_repeat_rate"]
+    return {"pair_repeat_rate": rate, "uniform_own_buckets": own["pair_repeat_rate"],
+            "uniform_fixed_buckets": fixed["pair_repeat_rate"],
+            "x_uniform_own_buckets": round(rate / own["pair_repeat_rate"], 3) if own["pair_repeat_rate"] else None,
+            "x_uniform_fixed_buckets": round(rate / fixed["pair_repeat_rate"], 3) if fixed["pair_repeat_rate"] else None}
+
+
 def lhotse_epochs(dur: np.ndarray, epochs: int, max_batch_seconds: float, num_buckets: int,
                   seed: int) -> list[list[np.ndarray]]:
     """lhotse DynamicBucketingSampler over dummy cuts with the corpus's durations (no audio is read)."""
@@ -255,6 +286,7 @@ def measure(args: argparse.Namespace) -> dict:
         planned = [plan_batches(idx, cfg, e, args.world_size, args.seed) for e in range(args.epochs)]
         add(label, [p[0] for p in planned], {**planned[0][1], "plan_s": round((time.perf_counter() - t0) / args.epochs, 3)})
     add("uniform shuffle in shardtrain's buckets", uniform_reference(idx, base, args.epochs, args.world_size, args.seed))
+    add(f"uniform shuffle in {base.num_buckets} equal-audio buckets", fixed_reference(idx, base, args.epochs, args.seed))
     if not args.no_lhotse:
         for nb in args.lhotse_buckets:
             add(f"lhotse DynamicBucketingSampler ({nb} buckets)",
