@@ -75,7 +75,8 @@ _OCTAL = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (329, 337)
 def _octal(h: np.ndarray, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
     """(value, well formed) per header of the octal digits h[:, a:b] (all '0'-'7')."""
     d = h[:, a:b].astype(np.int64) - 48
-    return d @ (8 ** np.arange(b - a - 1, -1, -1, dtype=np.int64)), ((d >= 0) & (d <= 7)).all(axis=1)
+    good = np.asarray(((d >= 0) & (d <= 7)).all(axis=1))
+    return d @ (8 ** np.arange(b - a - 1, -1, -1, dtype=np.int64)), good
 
 
 def headers_ok(arr: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
