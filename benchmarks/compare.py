@@ -170,6 +170,7 @@ def main(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
+    load_start = os.getloadavg()[0]
     corpus = common.prepare_corpus(work, args.utterances, kind=args.corpus, seed=args.seed)
     ds = common.prepare_dataset(work, corpus, shard_mb=args.shard_mb)
     info = common.dataset_summary(ds)
@@ -196,7 +197,9 @@ def main(args: argparse.Namespace) -> dict:
     md = common.markdown_table(table, bench_loader.COLUMNS)
     sha = common.git_sha()
     mach = common.machine()
-    head = (f"{info['samples']} utterances ({args.corpus}, {info['audio_hours']} h, {info['shards']} shards), "
+    load = os.getloadavg()[0]  # how shared the machine was: ratios hold up under load, absolute rates do not
+    head = (f"load average {load_start:.1f} at the start, {load:.1f} at the end; "
+            f"{info['samples']} utterances ({args.corpus}, {info['audio_hours']} h, {info['shards']} shards), "
             f"{args.workers} workers, max_batch_seconds {args.max_batch_seconds:g} (webdataset batch {bs}), "
             f"median (min-max) of {args.repeats} runs; {mach['cpus']} CPUs "
             f"(effective {limit['effective_cores']}: decode limit / one process); git {sha}")
