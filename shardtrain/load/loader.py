@@ -38,7 +38,7 @@ from shardtrain import storage
 from shardtrain.load.batch import Batch
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.plan import BucketConfig, Chunk
-from shardtrain.load.planner import EpochView, Planner, RankChunk, epoch_plan, open_planner
+from shardtrain.load.planner import EpochView, Planner, RankChunk, open_planner
 from shardtrain.load.reader import ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
 
@@ -49,7 +49,7 @@ PRESIGN_AHEAD = 1024
 """Shards signed in the main process before DataLoader workers fork (~0.25 ms each), so a worker needs no S3
 client of its own to start; later shards are signed in the worker when first read."""
 
-__all__ = ["Loader", "build_loader", "StreamConfig", "StreamError", "Batch", "epoch_plan"]
+__all__ = ["Loader", "build_loader", "StreamConfig", "StreamError", "Batch"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,10 +90,16 @@ class RankChunk:
 
 
 class EpochView(Protocol):
-    steps: int
-    rows: int
+    @property
+    def steps(self) -> int:
+        """Batches every rank yields in this epoch."""
 
-    def chunks(self, rank: int, step: int = 0) -> Iterator[RankChunk]: ...
+    @property
+    def rows(self) -> int:
+        """Samples this epoch delivers over all ranks (the skip share's base)."""
+
+    def chunks(self, rank: int, step: int = 0) -> Iterator[RankChunk]:
+        """`rank`'s chunks that end after `step`, in step order (a resume skips the batches before it)."""
 
 
 class Planner(Protocol):
@@ -104,7 +110,8 @@ class Planner(Protocol):
     too_long: int
     sample_rate_hz: int
 
-    def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView: ...
+    def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView:
+        """The plan of `epoch` for `world_size` ranks after the steps of `chain`; pure, so any rank may ask."""
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -195,7 +202,8 @@ class BlocksEpoch:
 
 def blocks_epoch(blocks: Blocks, cost_of, seed: int, epoch: int, world_size: int, cfg: BucketConfig, chain: Chain,
                  **kw) -> BlocksEpoch:
-    plan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg, chain=chain)
+    plan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg,
+                             chain=tuple(chain))
     consumed = sum(int(steps) for _, steps in chain)  # an estimate is enough: it only scales the skip share
     rows = int(blocks.rows[~blocks.too_long].sum())
     return BlocksEpoch(plan, blocks, cost_of, seed, gone, max(rows - consumed, 0) if chain else rows, **kw)
