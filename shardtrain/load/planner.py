@@ -204,9 +204,8 @@ def blocks_epoch(blocks: Blocks, cost_of, seed: int, epoch: int, world_size: int
                  **kw) -> BlocksEpoch:
     plan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg,
                              chain=tuple(chain))
-    consumed = sum(int(steps) for _, steps in chain)  # an estimate is enough: it only scales the skip share
-    rows = int(blocks.rows[~blocks.too_long].sum())
-    return BlocksEpoch(plan, blocks, cost_of, seed, gone, max(rows - consumed, 0) if chain else rows, **kw)
+    rows = int(blocks.rows[~blocks.too_long].sum())  # the whole epoch's, re-striped or not (as for rows)
+    return BlocksEpoch(plan, blocks, cost_of, seed, gone, rows, **kw)
 
 
 def open_blocks(ds: Dataset, cfg: StreamConfig) -> tuple[MappedIndex, Blocks]:
