@@ -129,7 +129,9 @@ def epoch_start_waits(waits: list[tuple[int, int, float]]) -> dict:
     out = {"median_wait_ms": round(1e3 * median, 3),
            "epoch_start_wait_ms": {str(e): round(1e3 * v, 3) for e, v in starts.items()}}
     worst = max(starts.values(), default=None)
-    out["epoch_start_wait_x_median"] = round(worst / median, 2) if worst is not None and median > 0 else None
+    # a ratio to a near-zero median (the loader ahead of the trainer) says nothing: the excess in ms then does
+    out["epoch_start_wait_x_median"] = round(worst / median, 2) if worst is not None and median >= 1e-3 else None
+    out["epoch_start_excess_ms"] = round(1e3 * (worst - median), 3) if worst is not None else None
     return out
 
 

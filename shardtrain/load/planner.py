@@ -104,10 +104,13 @@ class EpochView(Protocol):
 
 class Planner(Protocol):
     name: str
+    """"rows" or "blocks" (a mixture's too): kept in the state, a mid-epoch resume needs the same."""
     fingerprint: str
+    """The data's identity (index fingerprint; a mixture's: its datasets' and weights'), checked on resume."""
     data: Shards
     datasets: list[str]
     too_long: int
+    """Utterances left out of every epoch because one alone exceeds its batch budget (counted once an epoch)."""
     sample_rate_hz: int
 
     def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView:
