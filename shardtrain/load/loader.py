@@ -95,9 +95,9 @@ def _check_epoch(view: EpochView, epoch: int, chain: tuple) -> EpochView:
 
 def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor) -> Iterator[_Item]:
     """This rank's reads from `start`, in plan order. The next epoch is planned in a thread once this one's first
-    reads are scheduled, so an epoch boundary waits for nothing a steady step does not; the first read of the
-    stream (a start or a resume) is one batch, so the first batch waits for one batch's read and decode, not a
-    whole chunk's. The reads are the plan's batches whatever their grouping, so resume and workers agree."""
+    reads are scheduled, so an epoch boundary waits for nothing a steady step does not; the first chunk of the
+    stream (at a start or a resume) is read one batch at a time, so the first batches wait for one batch's read
+    and decode each, not a whole chunk's. The reads are the plan's batches whatever their grouping, so resume and workers agree."""
     epoch, step, chain = start.epoch, start.step, start.chain
     ahead = ThreadPoolExecutor(1, thread_name_prefix="plan")
     nxt: Future | None = None
@@ -114,11 +114,12 @@ def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor)
                 skip = max(0, step - rc.first_step)
                 at = rc.first_step + skip
                 batches = rc.chunk.batches
-                if first and len(batches) - skip > 1:  # a small first read: one batch, then the rest
-                    one = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[skip:skip + 1]))
-                    yield _Item(epoch, at, one, 0, view.steps, view.rows)
-                    rc, skip, at = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[skip + 1:])), 0, at + 1
-                first = False
+                if first:  # small first reads: the first chunk one batch at a time
+                    for i in range(skip, len(batches)):
+                        one = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[i:i + 1]))
+                        yield _Item(epoch, at + i - skip, one, 0, view.steps, view.rows)
+                    first = False
+                    continue
                 yield _Item(epoch, at, rc, skip, view.steps, view.rows)
             if nxt is None and more:  # a short epoch: plan the next one now
                 nxt = ahead.submit(planner.epoch, epoch + 1, world.world_size)
