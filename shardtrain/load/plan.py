@@ -101,18 +101,15 @@ class BucketConfig:
     chunk_mb: float = 64.0
     """Upper bound on bytes per chunk, whatever the batch size (caps read size and memory per chunk)."""
     budget_table: tuple[tuple[float, float], ...] | None = None
-    """Per-length batch budgets, ((max_duration_s_edge, max_batch_seconds), ...) sorted by edge, replacing
-    `max_batch_seconds` as the budget (what `shardtrain tune` measures: batches of short utterances often fit
-    more audio). Exactly: the budget of a duration d is b(d) = the budget of the first entry whose edge is >= d;
-    durations longer than the last edge take the last entry's budget. A batch whose longest utterance lasts L
-    holds at most b(L) seconds of cost (summed, or L's cost x size with `padded_budget`). An utterance is too
-    long (left out of every epoch, counted) when its cost alone exceeds b(d); past the last edge that is the
-    last budget, so a table whose last budget is max_batch_seconds keeps max_batch_seconds' too-long rule.
-    How: `cost_s` gives an utterance cost(d) x max_batch_seconds / b(d), so both planners keep one budget, and no
-    batch mixes lengths of two entries (the rows planner cuts duration buckets at the edges; the block planner
-    cuts blocks and buckets there), so every batch is within b(L). One exception: a bucket left with fewer rows
-    than ranks merges into its neighbour, and may then cross an edge. Part of the bucket fingerprint (a state
-    resumes mid-epoch only with the same table; at an epoch boundary with any). Cost: one searchsorted a row."""
+    """Per-length budgets ((max_duration_s_edge, max_batch_seconds), ...) sorted by edge, replacing
+    max_batch_seconds (`shardtrain tune` measures them). Exactly: b(d) = the budget of the first entry whose edge
+    is >= d, the last entry's past the last edge; a batch whose longest utterance lasts L holds at most b(L)
+    seconds of cost (summed, or L's x size with `padded_budget`); an utterance whose cost alone exceeds b(d) is
+    too long (left out, counted), so a last budget of max_batch_seconds keeps max_batch_seconds' too-long rule.
+    How: `cost_s` scales costs by max_batch_seconds / b(d) and no batch mixes two entries' lengths (rows: buckets
+    cut at the edges; blocks: blocks and buckets cut there); a bucket of fewer rows than ranks merges into its
+    neighbour and may then cross an edge. In the bucket fingerprint: a state resumes mid-epoch only with the same
+    table, at an epoch boundary with any."""
 
     def __post_init__(self) -> None:
         if self.max_batch_seconds <= 0:
@@ -238,14 +235,6 @@ def cost_s(duration_s: np.ndarray, cfg: BucketConfig) -> np.ndarray:
 def table_edges(cfg: BucketConfig) -> np.ndarray:
     """The budget table's duration edges (empty without a table): no batch mixes lengths across one."""
     return np.zeros(0) if cfg.budget_table is None else np.array([e for e, _ in cfg.budget_table])
-
-
-def table_cost_cuts(cfg: BucketConfig) -> np.ndarray:
-    """The table's edges in `cost_s` units, for planners that bucket by cost (blockplan): per edge, the cost of
-    the shortest utterance past it (its budget's scale), so buckets cut there hold one entry's lengths each when
-    budgets shrink with length (growing budgets are safe in any batch: b(r) <= b(L))."""
-    e = table_edges(cfg)[:-1]
-    return cost_s(np.nextafter(e, np.inf), cfg) if len(e) else e
 
 
 def batch_budget_s(longest_s: float, cfg: BucketConfig) -> float:
