@@ -72,7 +72,7 @@ def test_unreadable_validation_set_fails_at_start_in_one_line(six, tmp_path, cap
     rc = main(["train", "--data", six, "--val-data", six, "--val-data", f"held={tmp_path}/no-such-dev",
                "--out", str(out), "--max-steps", "3", *[x for s in SMALL for x in ("--set", s)]])
     err = capsys.readouterr().err.strip()
-    assert rc == 1 and len(err.splitlines()) == 1, err
+    assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"validation set 'held' cannot be opened: {tmp_path}/no-such-dev" in err and "--val-data" in err
     assert not out.exists()  # stopped before the run folder, the model or a single step
 
