@@ -36,13 +36,15 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
 
 
-def _env() -> dict[str, str]:
+def _env(cwd: Path) -> dict[str, str]:
+    """The repository first on the path; Hugging Face kept offline and its cache inside the work folder."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "HF_DATASETS_CACHE": str(cwd / ".hf-cache")}
 
 
 def _cli(args: list[str], cwd: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "shardtrain", *args], cwd=cwd, env=_env(), capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "shardtrain", *args], cwd=cwd, env=_env(cwd), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, f"shardtrain {' '.join(args)}: {p.stdout[-2000:]}\n{p.stderr[-4000:]}"
 
@@ -60,7 +62,8 @@ def workdir(tmp_path_factory) -> Path:
     _cli(["train", "--data", "shards/train", "--val-data", "shards/dev", "--pipeline", "tiny_cpu",
           "--max-steps", "2", "--out", "runs/tiny", "--set", "train.ckpt_every_steps=2",
           "--set", "train.val_every_steps=2", "--set", "train.warmup_steps=1",
-          "--set", "stream.bucket.max_batch_seconds=8"], root)
+          "--set", "stream.bucket.max_batch_seconds=8", "--set", "model.d_model=32", "--set", "model.num_layers=1",
+          "--set", "model.num_heads=2"], root)
     _cli(["export", "runs/tiny", "model.onnx"], root)
     return root
 
@@ -69,8 +72,9 @@ def test_readme_has_python_snippets():
     assert BLOCKS, "README.md has no ```python block: the snippet test would pass on nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
 def test_readme_snippet_runs_as_written(workdir: Path, line: int, code: str):
-    p = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=_env(), capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=_env(workdir), capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, f"README.md line {line} failed:\n{code}\n--- stderr:\n{p.stderr[-4000:]}"
