@@ -1,16 +1,25 @@
-"""Packing throughput: `shardtrain pack` vs webdataset's ShardWriter vs lhotse's Shar export, same corpus, same run.
+"""Packing throughput: `shardtrain pack` vs webdataset's ShardWriter vs a decode-only pass (vs lhotse's Shar export),
+same corpus, same interleaved run.
 
-    corpus (make_corpus tone FLAC, or --speech espeak-ng) -> for workers in (1, 2):
-        shardtrain.pack (probe + sort + encode/keep + tar + sha256 + index + manifest)
-        webdataset.ShardWriter (the same FLAC bytes + json, input order, no probe/sort/index); N processes
-        lhotse CutSet.to_shar(fields={"recording": "flac"}) (Recording.from_file probe + decode/re-encode)
-    -> files/s, audio hours/s, MB/s (output bytes / wall), one JSON line + a table
+    corpus (make_corpus tone FLAC, --speech espeak-ng, or --corpus DIR) -> for workers in (1, 2), --repeats rounds:
+        shardtrain          pack with its decode check (the default): scan + plan + write + commit, each timed
+        shardtrain-nocheck  pack --no-decode-check (the tail check only)
+        webdataset          webdataset.ShardWriter: the same FLAC bytes + json, input order, no probe/sort/index
+        decode-only         every file fully decoded (int16), `workers` processes, nothing written: the limit of a
+                            pack that decodes everything once
+        lhotse              CutSet.to_shar(fields={"recording": "flac"}) (Recording.from_file + re-encode)
+    -> per tool: wall, files/s, audio h/s, MB/s, pack's phases (scan, plan, write, commit); per round the ratios
+       the issue sets goals for (pack / decode-only, pack --no-decode-check / webdataset), then their medians;
+       the 1-minute load average at each round's start and end. JSON (stdout, and --out) + a table.
 
-Every tool writes to a fresh folder on local disk; wall time includes each tool's own metadata work (shardtrain's
-probe, lhotse's Recording.from_file) so the comparison is end to end; library imports happen before any timing.
-Shards are ~16 MB by default so a 2,000-file corpus gives enough shards for 2 workers to share. Run:
+Every tool writes to a fresh folder on local disk; wall time includes each tool's own metadata work; library imports
+happen before any timing (so pack's one-time pandas import, which pyarrow does lazily, is not in its wall here; a
+CLI run pays it, overlapped with the scan). On a shared machine only the ratios within one round mean anything.
+Run (the figures in the README):
 
-    .venv/bin/python benchmarks/bench_pack.py --utterances 2000 --workers 1 2
+    PYTHONPATH=$PWD .venv/bin/python -m shardtrain synth /tmp/c3k --n 3000 --layout flat
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_pack.py --corpus /tmp/c3k --workers 2 --repeats 3 \\
+        --tools decode-only shardtrain webdataset shardtrain-nocheck --out benchmarks/results/bench_pack.json
 """
 from __future__ import annotations
 
@@ -56,7 +65,8 @@ def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float
         if engine == "ray":
             ray.shutdown()
     out_d = {"wall_s": wall_s, "files": r.samples, "audio_s": r.seconds, "bytes": _dir_bytes(out),
-             "shards": r.shards, "probe_s": r.probe_s}
+             "shards": r.shards, "probe_s": r.probe_s,
+             "phases_s": {"scan": r.scan_s, "plan": r.plan_s, "write": r.write_s, "commit": r.commit_s}}
     if engine == "ray":
         out_d["ray_start_s"] = ray_start_s
     return out_d
@@ -153,7 +163,22 @@ def _run_tool(tool: str, args, corpus: Path, root: Path, workers: int, n_files: 
         shutil.rmtree(out, ignore_errors=True)
 
 
+PAIRS = (("shardtrain", "decode-only"), ("shardtrain-nocheck", "webdataset"), ("shardtrain", "webdataset"))
+"""(tool, reference) pairs whose wall-time ratio the issue sets a goal for: pack with its decode check vs decoding
+the same audio alone with the same cores; pack --no-decode-check vs webdataset's ShardWriter."""
+
+
+def _round(v):
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, dict):
+        return {k: _round(x) for k, x in v.items()}
+    return v
+
+
 def make_input(args, root: Path) -> Path:
+    if args.corpus:
+        return Path(args.corpus)
     if args.speech:
         from shardtrain.testing.speech import synth_speech_corpus
 
@@ -182,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                          "lhotse)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the tool list this many times, alternating (A/B), and report each tool's median")
+    ap.add_argument("--out", default=None,
+                    help="also write the JSON record here (e.g. benchmarks/results/bench_pack.json)")
+    ap.add_argument("--corpus", default=None,
+                    help="an existing flat corpus (x.flac + x.txt), e.g. from `shardtrain synth DIR --n 3000 --layout "
+                         "flat`, instead of making one")
     ap.add_argument("--work-dir", default=None, help="where to put corpus and outputs (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args(argv)
@@ -199,12 +229,21 @@ def main(argv: list[str] | None = None) -> int:
         make_s = time.perf_counter() - t0
         n_files = len(list(corpus.glob("*.flac")))
         in_bytes = sum(p.stat().st_size for p in corpus.glob("*.flac"))
-        rows = []
+        rows, ratios = [], []
         for workers in args.workers:
             runs: dict[str, list[dict]] = {t: [] for t in args.tools}
-            for _ in range(args.repeats):  # A/B: the tools alternate, so load drift on a shared machine hits all
+            for rep in range(args.repeats):  # A/B: the tools alternate, so load drift on a shared machine hits all
+                load = os.getloadavg()[0]
+                walls = {}
                 for tool in args.tools:
                     runs[tool].append(_run_tool(tool, args, corpus, root, workers, n_files, in_bytes))
+                    walls[tool] = runs[tool][-1]["wall_s"]
+                ratio = {"workers": workers, "repeat": rep, "load_1min": [round(load, 2),
+                                                                          round(os.getloadavg()[0], 2)]}
+                for num, den in PAIRS:  # the issue's figures, from walls measured in this one interleaved round
+                    if num in walls and den in walls:
+                        ratio[f"{num}/{den}"] = round(walls[num] / walls[den], 3)
+                ratios.append(ratio)
             wds = [r["wall_s"] for r in runs.get("webdataset", [])]
             for tool, rs in runs.items():
                 r = sorted(rs, key=lambda x: x["wall_s"])[len(rs) // 2]  # the median run
@@ -214,17 +253,34 @@ def main(argv: list[str] | None = None) -> int:
                 if wds:
                     r["x_webdataset"] = r["wall_s"] / sorted(wds)[len(wds) // 2]
                 rows.append(r)
+        medians = {}
+        for key in sorted({k for r in ratios for k in r if "/" in k}):
+            for workers in args.workers:
+                vals = sorted(r[key] for r in ratios if key in r and r["workers"] == workers)
+                if vals:
+                    medians[f"{key} (workers={workers})"] = {"median": vals[len(vals) // 2], "runs": vals}
         record = {"bench": "pack", "git_sha": common.git_sha(), "cpus": os.cpu_count(),
+                  "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "config": {k: v for k, v in vars(args).items() if k not in ("work_dir", "keep")},
                   "corpus": {"files": n_files, "bytes": in_bytes, "make_s": round(make_s, 2)},
-                  "results": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}
+                  "ratios": medians, "rounds": ratios,
+                  "results": [{k: (_round(v)) for k, v in r.items()} for r in rows]}
         print(json.dumps(record, sort_keys=True))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
         print(f"\n{'tool':<19} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
-              f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6} {'x_wds':>6}")
+              f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6} {'x_wds':>6}  phases_s (scan/plan/write/commit)")
         for r in rows:
+            ph = r.get("phases_s")
             print(f"{r['tool']:<19} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
                   f"{r['files_per_s']:>8.0f} {r['audio_h_per_s']:>9.3f} {r['mb_per_s']:>7.1f} {r['shards']:>6} "
-                  f"{r.get('x_webdataset', float('nan')):>6.2f}")
+                  f"{r.get('x_webdataset', float('nan')):>6.2f}  "
+                  + ("/".join(f"{ph[k]:.2f}" for k in ("scan", "plan", "write", "commit")) if ph else ""))
+        print("\nratios of walls measured in the same interleaved round (median over rounds; goal <= 1.2):")
+        for k, v in medians.items():
+            print(f"  {k:<48} {v['median']:.3f}   rounds {v['runs']}")
+        print(f"load average (1 min) at each round's start/end: {[r['load_1min'] for r in ratios]}")
     finally:
         if not args.keep and not args.work_dir:
             shutil.rmtree(root, ignore_errors=True)

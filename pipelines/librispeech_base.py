@@ -5,13 +5,15 @@
 
 Per GPU: at most 600 s of audio per batch (padded budget, with a quadratic term for attention cost), 4 loader
 workers of 4 decode threads each; global batch = 8 GPUs x 600 s x grad_accum_steps. The full augmentation chain
-runs on the GPU. Tune `--set stream.bucket.max_batch_seconds=...` to the GPU memory.
+runs on the GPU. Tune `--set stream.bucket.max_batch_seconds=...` to the GPU memory. Transcripts are normalised
+with normalize.SPEECH (NFC, lower case, punctuation stripped except apostrophes): LibriSpeech decodes in lower case.
 """
 from __future__ import annotations
 
 from shardtrain.train.augment import AugmentConfig
 from shardtrain.train.features import FeatureConfig
 from shardtrain.train.model import SIZES
+from shardtrain.train.normalize import SPEECH
 from shardtrain.load.plan import BucketConfig
 from shardtrain.load.config import StreamConfig
 from shardtrain.train.config import RunConfig, TrainConfig
@@ -28,4 +30,5 @@ def config() -> RunConfig:
         train=TrainConfig(lr=1e-3, warmup_steps=5000, max_steps=150_000, weight_decay=1e-3, grad_clip_norm=5.0,
                           precision="bf16", log_every_steps=50, val_every_steps=2000, ckpt_every_steps=2000,
                           keep_last=3),
+        text=SPEECH,
     )

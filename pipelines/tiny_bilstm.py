@@ -2,8 +2,8 @@
 
     shardtrain train --data shards/train --val-data shards/dev --pipeline tiny_bilstm --max-steps 600 --out runs/lstm
 
-Same data, augmentation and schedule as tiny_cpu; only the encoder differs (3 BiLSTM layers of 2 x 96 units
-after the 4x convolutional subsampling), so the two presets compare encoders on equal terms.
+Same data, augmentation, schedule and text normaliser as tiny_cpu; only the encoder differs (3 BiLSTM layers of
+2 x 96 units after the 4x convolutional subsampling), so the two presets compare encoders on equal terms.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def test_open_dataset_and_index(dataset):
 def test_missing_manifest_is_incomplete(dataset, tmp_path):
     d = _copy(dataset, tmp_path)
     (d / "manifest.json").unlink()
-    with pytest.raises(DatasetError, match="incomplete dataset: no manifest.json at .*re-run `shardtrain pack`"):
+    with pytest.raises(DatasetError, match="incomplete dataset: no manifest.json at .*re-run `shardtrain pack INPUT .*` \\(it resumes\\)"):
         open_dataset(str(d))
     assert cli.main(["inspect", str(d)]) == 2
     m = json.loads((dataset / "manifest.json").read_text())

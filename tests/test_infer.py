@@ -138,6 +138,9 @@ def test_transcribe_cli_on_dataset_and_folder(run_dir, data, speech_corpus, tmp_
     err = capsys.readouterr().err
     assert "broken.flac" in err and "1 inputs skipped" in err
     rows = [json.loads(x) for x in out.read_text().splitlines()]
+    failed = [r for r in rows if "error" in r]  # the failure is a row of the output too
+    assert [r["key"] for r in failed] == ["broken"] and failed[0]["error"].startswith("unreadable_audio")
+    rows = [r for r in rows if "error" not in r]
     from_data = [r for r in rows if r["source"] == data]
     from_files = [r for r in rows if r["source"] == str(folder)]
     assert len(from_data) == TRAIN_UTTS and len(from_files) == 20
@@ -161,7 +164,7 @@ def test_evaluate_cli_json_and_markdown(run_dir, data, tmp_path, capsys):
     assert main(["evaluate", str(tmp_path), "--data", data]) == 2  # not a run dir: a clear error, not a traceback
     empty = tmp_path / "not_a_dataset"
     empty.mkdir()
-    assert main(["transcribe", str(run_dir), str(empty), "--no-progress"]) == 1  # nothing to read is not a success
+    assert main(["transcribe", str(run_dir), str(empty), "--no-progress"]) == 2  # nothing to read: refused
     assert "no manifest.json" in capsys.readouterr().err
 
 
@@ -186,7 +189,7 @@ def test_onnx_export_matches_pytorch_and_int8_transcribes(run_dir, utterances, t
     w6, l6 = _batch([w for _, w, _ in utterances[:TRAIN_UTTS]])
     cer = {}
     for name, rec in (("fp32", fp32), ("int8", int8)):
-        s = Score()
+        s = Score(normalizer=tm.tokenizer.normalizer)  # the model's normaliser (pipeline: lower case)
         for ref, hyp in zip(train_refs, rec.transcribe(w6, l6, 16000)):
             s.add("u", ref, hyp)
         cer[name] = s.summary()["cer"]
@@ -205,7 +208,7 @@ def test_qat_model_exports_to_int8_within_margin(data, utterances, tmp_path):
     refs = [t for _, _, t in utterances[:TRAIN_UTTS]]
     cer = {}
     for name, rec in (("torch_qat", tm), ("fp32", OnnxRecognizer(res.path)), ("int8", OnnxRecognizer(res.quantized_path))):
-        s = Score()
+        s = Score(normalizer=tm.tokenizer.normalizer)  # the model's normaliser (pipeline: lower case)
         for ref, hyp in zip(refs, rec.transcribe(w6, l6, 16000)):
             s.add("u", ref, hyp)
         cer[name] = s.summary()["cer"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from shardtrain.cli.bench import _add_bench
-from shardtrain.cli.common import init_logging
+from shardtrain.cli.common import EXIT_CODES_HELP, EXIT_INTERRUPTED, EXIT_USAGE, exit_code, init_logging, report_error
 from shardtrain.cli.infer import _add_evaluate, _add_export, _add_transcribe
 from shardtrain.cli.ledger import _add_ledger
 from shardtrain.cli.plan import _add_plan
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardtrain",
         description="Pack speech corpora into shards, stream them, train, and benchmark the loader.",
+        epilog=EXIT_CODES_HELP,
     )
     from shardtrain._version import __version__
 
@@ -33,13 +34,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. The one error handler of the CLI: an error the user can act on is one line on stderr and
+    the exit status of `common.exit_code` (the same for every command); a bug keeps its traceback."""
+    from shardtrain.format.safe import printable
+
+    args = build_parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
     init_logging(0, args.verbose)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except SystemExit as e:  # `raise SystemExit("train: --n must be >= 1")`: a usage error, exit 2 (Python says 1)
+        if isinstance(e.code, str):
+            print(printable(e.code), file=sys.stderr)
+            return EXIT_USAGE
+        raise
+    except Exception as e:
+        from shardtrain.storage import credentials_error
+
+        e = credentials_error(e) or e  # missing/refused S3 keys from any depth: one line naming what to set
+        code = exit_code(e)
+        if code is None:
+            raise
+        report_error(args.command, e)
+        return code
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ so the `load` room never imports `train`.
 """
 from __future__ import annotations
 
-import sys
-from shardtrain.cli.common import _CREDS_HELP, _one_line, _parse_storage_options, _run_errors
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options
+from shardtrain.format.safe import printable
 
 
 
@@ -63,19 +63,15 @@ def _cmd_bench(args) -> int:
         pcm_dtype=args.pcm_dtype, planner=args.planner, index_cache_dir=args.index_cache_dir)
     bench = BenchConfig(epochs=args.epochs or None, max_batches=args.max_batches, step_ms=args.step_ms,
                         device=args.device, progress=not args.no_progress)
-    try:
-        out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
-                           stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
-                           make_augment=_bench_augmenter(args.device) if args.augment else None)
-    except _run_errors() as e:
-        print(f"bench: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+    out = bench_loader(args.dataset, world=World(rank=args.rank, world_size=args.world_size), seed=args.seed,
+                       stream=stream, bench=bench, storage_options=_parse_storage_options(args.storage_option),
+                       make_augment=_bench_augmenter(args.device) if args.augment else None)  # errors: cli.app.main
     if args.json:
         print(json.dumps(out))
     else:
         width = max(map(len, out))
         for k, v in out.items():
-            print(f"{k:<{width}}  {v}")
+            print(f"{k:<{width}}  {printable(v)}")
     return 0
 
 

@@ -96,7 +96,9 @@ def _parse_storage_options(pairs: list[str] | None, env: dict | None = None) -> 
     register_secret(env.get("AWS_SECRET_ACCESS_KEY"))
     register_secret(env.get("AWS_SESSION_TOKEN"))
     register_secret(env.get("AWS_ACCESS_KEY_ID"), 12)
-    return out
+    from shardtrain.storage.redact import StorageOptions
+
+    return StorageOptions(out)  # its repr masks the secrets in every config, lock or dataset that holds it
 
 
 def _one_line(e: BaseException) -> str:
@@ -107,6 +109,39 @@ def _one_line(e: BaseException) -> str:
     if len(lines) > 1 and ": " in last and "." in last.split(": ", 1)[0]:  # "pkg.mod.StreamError: message"
         last = last.split(": ", 1)[1]
     return last
+
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_CODES_HELP = ("exit status: 0 success; 1 runtime failure (storage unreachable or timed out, problems found by "
+                   "inspect --verify, inputs skipped or nothing accepted); 2 usage or invalid input (bad flags, a path "
+                   "that is not a dataset or a checkpoint, an invalid dataset, missing or refused credentials); "
+                   "130 interrupted (Ctrl-C)")
+
+
+def exit_code(e: BaseException) -> int | None:
+    """The exit status of an error a command reports in one line, or None for an error that keeps its traceback
+    (a bug). One table for every command: what the user must fix (input, flags, credentials) is 2, what went
+    wrong while running (storage, timeouts) is 1."""
+    from shardtrain.format.validate import DatasetError
+    from shardtrain.load.reader import StreamError
+
+    names = {c.__name__ for c in type(e).__mro__}
+    if "CredentialsError" in names:  # storage's: missing or refused keys are configuration, never transient
+        return EXIT_USAGE
+    if isinstance(e, (DatasetError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)) \
+            or names & {"PackError", "CheckpointError"}:
+        return EXIT_USAGE
+    if isinstance(e, (StreamError, OSError)) or "LockHeld" in names:  # another pack holds OUTPUT: wait, re-run
+        return EXIT_FAILURE
+    return None
+
+
+def report_error(command: str, e: BaseException, where: str = "") -> int:
+    """Print `command: error: <one line>` on stderr (terminal-safe) and return the exit status for `e`."""
+    from shardtrain.format.safe import printable
+
+    print(f"{command}: error{where}: {printable(_one_line(e))}", file=sys.stderr)
+    return exit_code(e) or EXIT_FAILURE
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:

@@ -1,4 +1,11 @@
 """`shardtrain transcribe`, `evaluate` and `export`: using a trained checkpoint (shardtrain.infer).
+
+Inputs are what `pack` reads: a packed dataset (manifest.json) goes to the loader; an audio file or a local folder
+of audio (LibriSpeech trees included) to infer's own folder reader (it keeps files without transcripts); anything
+else (a Kaldi data dir -- segments and text honoured --, a Common Voice release or TSV, a Hugging Face dataset, a
+tsv/csv/jsonl/Lhotse manifest) is enumerated here with pack's source readers (the CLI may import pack; infer may
+not) and handed to infer as plain utterances. What no reader understands, or a pack that has not finished, is
+refused in one line (exit 2) before the model runs.
 """
 from __future__ import annotations
 
@@ -28,8 +35,63 @@ def _add_transcribe(sub) -> None:
     p.add_argument("--max-batch-seconds", type=float, default=120.0,
                    help="padded audio seconds per batch (default 120)")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option for s3://")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_input_args(p)
     p.set_defaults(func=_cmd_transcribe)
+
+
+def _add_input_args(p) -> None:
+    p.add_argument("--window-seconds", type=float, default=30.0,
+                   help="audio longer than this is decoded and run window by window, bounding memory (default 30)")
+    p.add_argument("--source-format", default="auto",
+                   help="input layout when not a packed dataset, as for `shardtrain pack` (default auto)")
+    p.add_argument("--text-column", default=None, help="transcript column of a Hugging Face dataset input")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _resolve_inputs(urls: list[str], args, storage_options: dict | None) -> list:
+    """Each input as infer takes it: a dataset URL, a local audio path, or an UtteranceSource built with pack's
+    readers. Raises ValueError (one line naming the input and what it expected) for anything else."""
+    from pathlib import Path
+
+    from shardtrain import storage
+    from shardtrain.format.manifest import shard_name
+    from shardtrain.infer.audio_in import Utterance
+    from shardtrain.infer.transcribe import AUDIO_EXTS, UtteranceSource, is_dataset
+    from shardtrain.pack.sources import Reject, iter_items, resolve_format
+
+    out: list = []
+    for url in urls:
+        if is_dataset(url, storage_options):
+            out.append(url)
+            continue
+        local = storage.is_local(url)
+        path = Path(url[len("file://"):] if url.startswith("file://") else url)
+        if local and path.is_file() and path.suffix.lower() in AUDIO_EXTS:
+            out.append(str(path))
+            continue
+        if local and path.is_dir() and any((path / n).exists() for n in ("index.parquet", shard_name(0))):
+            raise ValueError(f"{url}: a dataset whose pack has not finished (shards but no manifest.json); "
+                             "re-run the same `shardtrain pack` command to finish it (it resumes)")
+        try:
+            fmt = resolve_format(url, args.source_format, storage_options)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{url}: not a packed dataset (no manifest.json), nor an input `pack` reads: "
+                             f"{' '.join(str(e).split())}") from None
+        if local and fmt in ("dir", "librispeech"):
+            out.append(str(path))
+            continue
+        items, rejects = [], []
+        try:
+            for x in iter_items(url, fmt, storage_options, text_column=args.text_column):
+                if isinstance(x, Reject):
+                    rejects.append((x.id or x.path, x.reason))
+                else:
+                    items.append(Utterance(key=x.id, audio=x.audio, reference=x.text, start_s=x.start_s,
+                                           duration_s=x.duration_s))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{url} ({fmt}): {' '.join(str(e).split())}") from None
+        out.append(UtteranceSource(name=url, items=items, rejects=rejects))
+    return out
 
 
 def _trained_model(args):
@@ -38,7 +100,8 @@ def _trained_model(args):
     from shardtrain.infer.transcribe import TranscribeConfig
 
     tm = load_trained(args.checkpoint, device=args.device, which=args.which)
-    cfg = TranscribeConfig(max_batch_seconds=args.max_batch_seconds, progress=not args.no_progress,
+    cfg = TranscribeConfig(max_batch_seconds=args.max_batch_seconds, window_seconds=args.window_seconds,
+                           progress=not args.no_progress,
                            storage_options=_parse_storage_options(args.storage_option) or None)
     return tm, cfg
 
@@ -47,25 +110,31 @@ def _cmd_transcribe(args) -> int:
     import json
     import time
 
+    from shardtrain.format.manifest import DatasetError
     from shardtrain.infer.checkpoint_model import CheckpointError
+    from shardtrain.infer.score import escape_control
     from shardtrain.infer.transcribe import Transcriber
 
     try:
         tm, cfg = _trained_model(args)
+        inputs = _resolve_inputs(args.inputs, args, cfg.storage_options)
     except (CheckpointError, ValueError) as e:
-        print(f"transcribe: error: {e}", file=sys.stderr)
+        print(f"transcribe: error: {escape_control(str(e))}", file=sys.stderr)
         return 2
     t = Transcriber(tm, cfg)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
-    n, audio_s, cers, t0 = 0, 0.0, [], time.perf_counter()
+    n, failed, audio_s, cers, t0 = 0, 0, 0.0, [], time.perf_counter()
     try:
-        for row in t.rows(args.inputs):
+        for row in t.rows(inputs):
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            if "error" in row:
+                failed += 1
+                continue
             n, audio_s = n + 1, audio_s + row["duration_s"]
             if "cer" in row:
                 cers.append(row["cer"])
-    except FileNotFoundError as e:
-        print(f"transcribe: error: {e}", file=sys.stderr)
+    except (FileNotFoundError, DatasetError) as e:
+        print(f"transcribe: error: {escape_control(str(e))}", file=sys.stderr)
         return 2
     finally:
         if args.out:
@@ -75,8 +144,9 @@ def _cmd_transcribe(args) -> int:
     print(f"transcribe: {n} utterances, {audio_s:.1f} audio s in {wall:.1f} s (real-time factor "
           f"{wall / max(audio_s, 1e-9):.3f}){cer}" + (f" -> {args.out}" if args.out else ""), file=sys.stderr)
     if t.errors:
-        print(f"transcribe: {len(t.errors)} inputs skipped: " + "; ".join(f"{e['input']} ({e['reason']}: "
-              f"{e['detail'][:80]})" for e in t.errors[:5]), file=sys.stderr)
+        print(f"transcribe: {len(t.errors)} inputs skipped ({failed} rows with an \"error\" field): "
+              + escape_control("; ".join(f"{e['input']} ({e['reason']}: {e['detail'][:80]})" for e in t.errors[:5])),
+              file=sys.stderr)
     return 1 if t.errors else 0
 
 
@@ -92,33 +162,41 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the Markdown table")
     p.add_argument("--max-batch-seconds", type=float, default=120.0, help="padded audio seconds per batch")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option for s3://")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_input_args(p)
     p.set_defaults(func=_cmd_evaluate)
 
 
 def _cmd_evaluate(args) -> int:
     import json
 
+    from shardtrain.format.manifest import DatasetError
     from shardtrain.infer.checkpoint_model import CheckpointError
-    from shardtrain.infer.score import evaluate, markdown_table
+    from shardtrain.infer.score import escape_control, evaluate, markdown_table
+    from shardtrain.train.normalize import describe_chars
 
     try:
         tm, cfg = _trained_model(args)
-        results, errors = evaluate(tm, args.data, cfg, worst_n=args.worst)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"evaluate: error: {e}", file=sys.stderr)
+        results, errors = evaluate(tm, _resolve_inputs(args.data, args, cfg.storage_options), cfg,
+                                   worst_n=args.worst)
+    except (CheckpointError, ValueError, FileNotFoundError, DatasetError) as e:
+        print(f"evaluate: error: {escape_control(str(e))}", file=sys.stderr)
         return 2
     doc = {"checkpoint": str(tm.path), "step": tm.step, "datasets": results, "skipped": errors}
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, ensure_ascii=False)
     print(json.dumps(doc, ensure_ascii=False) if args.json else markdown_table(results))
+    for name, s in results.items():
+        if s["missing_chars"]:
+            print(escape_control(f"evaluate: {name}: reference characters the model's vocabulary lacks (it can "
+                                 f"never emit them): {describe_chars(s['missing_chars'])}"), file=sys.stderr)
+        if s["unscored"]:
+            print(escape_control(f"evaluate: {name}: {s['unscored']} utterances without a reference were not "
+                                 "scored"), file=sys.stderr)
     if errors:
-        print(f"evaluate: {len(errors)} samples skipped (see 'skipped' in the JSON)", file=sys.stderr)
-    unscored = [u for u, s in results.items() if s["utterances"] == 0]
-    if unscored:
-        print(f"evaluate: no references in {', '.join(unscored)}: nothing was scored", file=sys.stderr)
-    return 1 if errors or unscored else 0
+        print(f"evaluate: {len(errors)} samples failed and were not scored (see 'skipped' in the JSON)",
+              file=sys.stderr)
+    return 1 if errors else 0
 
 
 def _add_export(sub) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import sys
 
 from shardtrain.format.codecs import CODECS
-from shardtrain.cli.common import _CREDS_HELP, _one_line, _parse_storage_options
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, report_error
+from shardtrain.format.safe import printable, printable_lines
 
 
 # ---- pack (owner: pack) -------------------------------------------------------------------------
 def _add_pack(sub) -> None:
     import os
+
+    from shardtrain.pack.packer import DEFAULT_MIN_DURATION_S
 
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
@@ -21,6 +24,9 @@ def _add_pack(sub) -> None:
     p.add_argument("--source-format", default="auto",
                    help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
                         "commonvoice (default: auto)")
+    p.add_argument("--split", default=None, metavar="NAME",
+                   help="split of a Hugging Face DatasetDict folder (one with dataset_dict.json), e.g. train; "
+                        "required for such a folder (the error lists its splits)")
     p.add_argument("--text-column", default=None,
                    help="transcript column of a Hugging Face dataset input (default: text, sentence, transcription, "
                         "... whichever exists)")
@@ -31,17 +37,26 @@ def _add_pack(sub) -> None:
                    help="stored audio codec (default: flac)")
     p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
     p.add_argument("--channels", type=int, default=1, help="stored channel count (default: 1)")
+    p.add_argument("--channels-policy", default="mix", metavar="mix|first|INDEX",
+                   help="how multi-channel input becomes mono (with --channels 1): mix averages the channels (a "
+                        "one-sided stereo recording loses 6 dB), first keeps channel 0, INDEX keeps that channel "
+                        "(files with fewer channels are rejected: missing_channel) (default: mix)")
     p.add_argument("--keep-original", action="store_true",
                    help="store input audio bytes unchanged (no transcoding, whatever codec/rate/channels)")
     p.add_argument("--no-decode-check", action="store_true",
-                   help="do not fully decode audio kept byte for byte (faster; a truncated input file is then "
-                        "caught only by `inspect --verify` or the loader)")
+                   help="do not fully decode audio kept byte for byte, only its last samples (faster; a header "
+                        "that lies about the length is still rejected, but damage inside a file is then caught "
+                        "only by `inspect --verify` or the loader)")
     p.add_argument("--target-shard-mb", type=float, default=256.0,
                    help="target shard size in MiB, estimated from headers (default: 256)")
     p.add_argument("--max-samples-per-shard", type=int, default=None,
                    help="also cut a shard after this many samples (default: no limit)")
-    p.add_argument("--min-duration", type=float, default=None, help="reject utterances shorter than this (seconds)")
-    p.add_argument("--max-duration", type=float, default=None, help="reject utterances longer than this (seconds)")
+    p.add_argument("--min-duration-s", "--min-duration", dest="min_duration", type=float,
+                   default=DEFAULT_MIN_DURATION_S,
+                   help="reject utterances shorter than this, reason too_short in rejects.jsonl (seconds; 0 keeps "
+                        f"all; default: {DEFAULT_MIN_DURATION_S})")
+    p.add_argument("--max-duration-s", "--max-duration", dest="max_duration", type=float, default=None,
+                   help="reject utterances longer than this, reason too_long (seconds; default: no limit)")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
     p.add_argument("--engine", default="local", choices=("local", "ray"),
@@ -65,18 +80,18 @@ def _cmd_pack(args) -> int:
     try:
         cfg = PackConfig(
             input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
+            split=args.split, channels_policy=args.channels_policy,
             storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
             sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
             decode_check=not args.no_decode_check,
             target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
-            min_duration_s=args.min_duration, max_duration_s=args.max_duration, workers=args.workers,
+            min_duration_s=args.min_duration or None, max_duration_s=args.max_duration, workers=args.workers,
             strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
             engine=args.engine, ray_address=args.ray_address,
         )
         r = pack(cfg)
     except (ValueError, PackError) as e:
-        print(f"pack: error: {e}", file=sys.stderr)
-        return 2
+        return report_error("pack", e)
     empty = r.samples == 0  # a dataset with nothing in it is a failed pack, not a success to find out about later
     if args.json:
         print(json.dumps(r.to_dict(), sort_keys=True))
@@ -85,13 +100,14 @@ def _cmd_pack(args) -> int:
     state = " (already complete; nothing written)" if r.already_complete else \
         f" ({r.shards_written} written by this run)" if r.shards_written != r.shards else ""
     print(f"packed    {r.samples} samples, {r.hours:.3f} h, {r.shards} shards{state}, {r.bytes / 1e6:.1f} MB "
-          f"-> {r.output}")
-    print(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else ""))
-    print(f"speed     {r.wall_s:.1f} s wall (probe {r.probe_s:.1f} s, write {r.write_s:.1f} s): "
+          f"-> {printable(r.output)}")
+    print(printable(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else "")))
+    print(f"speed     {r.wall_s:.1f} s wall (scan {r.scan_s:.1f} s, plan {r.plan_s:.1f} s, write {r.write_s:.1f} s, "
+          f"commit {r.commit_s:.1f} s): "
           f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")
     if empty:
-        print(f"pack: error: no utterance of {args.input} was accepted ({r.rejects} rejected: {rejects}); see "
-              f"{r.output}/rejects.jsonl for each reason", file=sys.stderr)
+        print(printable(f"pack: error: no utterance of {args.input} was accepted ({r.rejects} rejected: {rejects}); see "
+              f"{r.output}/rejects.jsonl for each reason"), file=sys.stderr)
         return 1
     return 0
 
@@ -113,31 +129,24 @@ def _add_inspect(sub) -> None:
 def _cmd_inspect(args) -> int:
     import json
 
-    from shardtrain.format.manifest import DatasetError, open_dataset
+    from shardtrain.format.manifest import open_dataset
     from shardtrain.pack.verify import format_inspect, inspect, problems_to_dicts, verify
 
-    try:
-        ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)
-        summary = inspect(ds)
-    except DatasetError as e:
-        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except OSError as e:  # storage refused or unreachable: one line naming the URL
-        print(f"inspect: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+    ds = open_dataset(args.dataset, _parse_storage_options(args.storage_option) or None)  # errors: cli.app.main
+    summary = inspect(ds)
     problems = verify(ds, progress=not args.no_progress) if args.verify else None
     if args.json:
         if problems is not None:
             summary["problems"] = problems_to_dicts(problems)
         print(json.dumps(summary, sort_keys=True))
     else:
-        print(format_inspect(summary))
+        print(printable_lines(format_inspect(summary)))
         if problems is not None:
             print()
             print(f"verify    {len(ds.shards)} shards, {summary['totals']['samples']} samples: "
                   + ("OK" if not problems else f"{len(problems)} problems"))
             for p in problems:
-                print(f"  {p}")
+                print(f"  {printable(p)}")
     return 1 if problems else 0
 
 

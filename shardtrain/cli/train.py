@@ -3,8 +3,7 @@ here, and only here) and `shardtrain augment-demo`.
 """
 from __future__ import annotations
 
-import sys
-from shardtrain.cli.common import _CREDS_HELP, _bound_malloc_heap, _one_line, _parse_storage_options, _run_errors, init_logging
+from shardtrain.cli.common import _CREDS_HELP, _bound_malloc_heap, _parse_storage_options, _run_errors, init_logging, report_error
 
 
 
@@ -68,9 +67,7 @@ def _cmd_train(args) -> int:
     except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
         raise SystemExit(f"train: {e}") from None
     except _run_errors() as e:  # storage refused/unreachable, bad dataset or resume state: one line per rank
-        where = f" (rank {world.rank})" if world.world_size > 1 else ""
-        print(f"train: error{where}: {_one_line(e)}", file=sys.stderr)
-        return 1
+        return report_error("train", e, f" (rank {world.rank})" if world.world_size > 1 else "")
     if world.is_main:
         print(json.dumps(result, sort_keys=True))
     return 0

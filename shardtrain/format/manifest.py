@@ -18,7 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardtrain import storage
-from shardtrain.format.validate import DatasetError, check_index, check_manifest, parse_manifest, show
+from shardtrain.format.indexread import check_footer, dictionary_columns, read_bounded
+from shardtrain.format.validate import (RELATED_COLUMNS, DatasetError, check_index, check_manifest, parse_manifest,
+                                        show)
 
 FORMAT = "shardtrain"
 FORMAT_VERSION = 1
@@ -89,6 +91,8 @@ class Dataset:
     storage_options: dict | None = field(default=None, repr=False)
     direct_http: bool = field(default=False, repr=False)
     """Read S3 metadata through presigned URLs (storage.open_ranged) instead of s3fs."""
+    budget_s: float = field(default=storage.RETRY_BUDGET_S, repr=False)
+    """Time a metadata read may go without progress (the loader passes stream.retry_budget_s)."""
 
     def shard_url(self, i: int) -> str:
         return storage.join(self.url, self.shards[i].name)
@@ -101,18 +105,37 @@ class Dataset:
         """index.parquet as a pyarrow Table; `columns` projects (only those column chunks are read).
 
         Every column read is checked against the manifest (format.validate.check_index) before it is returned:
-        a row out of range, overlapping another or sized past its duration raises DatasetError.
+        a row out of range, overlapping another or sized past its duration raises DatasetError. Before any row is
+        read, the footer is checked (rows, column types, chunk sizes: format.indexread), and strings are read
+        dictionary-encoded and length-checked before they are expanded, so a crafted index cannot make this
+        allocate more than its rows x the per-column bounds. Asking for one of duration_s/num_samples/
+        sample_rate_hz reads all three (they are checked against each other; ~8 bytes a row more).
         """
+        wanted = list(columns) if columns is not None else None
+        cols = wanted
+        if wanted is not None and set(wanted) & set(RELATED_COLUMNS):  # checked against each other: read all three
+            cols = wanted + [c for c in RELATED_COLUMNS if c not in wanted]
+        rows = sum(s.samples for s in self.shards)
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset/compute/acero (~30 ms) for nothing
-        with storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http) as f:
+        with storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http,
+                                 budget_s=self.budget_s) as f:
             try:
-                table = pq.ParquetFile(f).read(columns=list(columns) if columns is not None else None)
+                pf = pq.ParquetFile(f)
+                if cols is None:
+                    cols = list(pf.schema_arrow.names)
+                check_footer(pf, rows, cols, self.index_url)  # before a single row is read
+                have = set(pf.schema_arrow.names)
+                cols = [c for c in cols if c in have or wanted is None or c in wanted]  # extras only if present
+                pf = pq.ParquetFile(f, metadata=pf.metadata, read_dictionary=dictionary_columns(pf.schema_arrow))
+                table = read_bounded(pf, cols, self.index_url)
             except (pa.ArrowException, OSError, ValueError, KeyError) as e:
                 if isinstance(e, FileNotFoundError):
                     raise
                 raise DatasetError(f"{self.index_url}: not a readable index ({type(e).__name__}: "
                                    f"{str(e)[:200]!r})") from None
         check_index(table, [s.bytes for s in self.shards], [s.samples for s in self.shards])
+        if wanted is not None and cols != wanted:
+            table = table.select([c for c in wanted if c in table.column_names])
         return table
 
     @property
@@ -120,7 +143,8 @@ class Dataset:
         return dict(self.manifest["totals"])
 
 
-def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: bool = False) -> Dataset:
+def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: bool = False,
+                 budget_s: float = storage.RETRY_BUDGET_S) -> Dataset:
     """Open a dataset folder/prefix. Reads only manifest.json (a few KB per 1,000 shards).
 
     The manifest is untrusted input: it is parsed with bounds and checked (format.validate) so that every shard
@@ -132,11 +156,11 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
     url = str(url).rstrip("/")
     murl = storage.join(url, MANIFEST)
     try:
-        raw = storage.read_bytes(murl, storage_options, direct_http=direct_http)
-    except FileNotFoundError:
-        raise DatasetError(
-            f"incomplete dataset: no manifest.json at {url}; re-run `shardtrain pack` (it resumes)"
-        ) from None
+        raw = storage.read_bytes(murl, storage_options, direct_http=direct_http, budget_s=budget_s)
+    except (FileNotFoundError, NotADirectoryError):
+        from shardtrain.format.locate import missing_manifest_message
+
+        raise DatasetError(missing_manifest_message(url, storage_options)) from None
     manifest = parse_manifest(raw, murl)
     if manifest.get("format") != FORMAT:
         raise DatasetError(f"{murl}: not a shardtrain manifest (format={show(manifest.get('format'))})")
@@ -147,7 +171,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
         )
     shards = [ShardInfo(**s) for s in check_manifest(manifest, murl)]
     return Dataset(url=url, manifest=manifest, shards=shards, storage_options=storage_options,
-                   direct_http=direct_http)
+                   direct_http=direct_http, budget_s=budget_s)
 
 
 ROW_GROUP = 1 << 17

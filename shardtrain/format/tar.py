@@ -21,7 +21,7 @@ from typing import BinaryIO, Iterator
 from shardtrain.format.codecs import CODECS
 
 BLOCK = 512
-KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
+KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,80}\Z")  # \Z: whole string (`$` accepts a trailing newline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +56,26 @@ class _HashingWriter:
         return self.pos
 
 
-def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(name)
-    ti.size = size
-    ti.mtime = 0
-    ti.mode = 0o644
-    ti.uid = ti.gid = 0
-    ti.uname = ti.gname = ""
-    ti.type = tarfile.REGTYPE
-    return ti
+_RECORD = 20 * BLOCK
+"""tarfile's default record size: a closed archive is padded to a multiple of it."""
+_NUL_BLOCK = bytes(BLOCK)
+
+
+def _ustar_header(name: str, size: int) -> bytes:
+    """The header tarfile writes for a regular file `name` (ASCII, <= 100 chars) of `size` bytes with mode 0o644,
+    mtime 0, uid/gid 0 and empty uname/gname in USTAR format, byte for byte (tests compare it with tarfile's),
+    built directly: a few us instead of tarfile's ~60 us (a TarInfo, its dict of fields, itn/stn per field),
+    which was ~10% of a kept-FLAC pack's CPU time at two members a sample."""
+    raw = name.encode("ascii")
+    if len(raw) > 100 or size >= 8 ** 11:
+        raise ValueError(f"tar member {name!r} ({size} B) does not fit a plain ustar header")
+    h = bytearray(BLOCK)
+    h[0:len(raw)] = raw
+    h[100:156] = b"0000644\x000000000\x000000000\x00" + b"%011o\x00" % size + b"00000000000\x00" + b"        "
+    h[156] = 0x30  # REGTYPE "0"
+    h[257:265] = b"ustar\x0000"
+    h[148:155] = b"%06o\x00" % sum(h)
+    return bytes(h)
 
 
 class ShardWriter:
@@ -76,26 +87,32 @@ class ShardWriter:
 
     def __init__(self, fileobj: BinaryIO) -> None:
         self._out = _HashingWriter(fileobj)
-        self._tar = tarfile.TarFile(fileobj=self._out,  # type: ignore[arg-type]  # write/tell is all it uses
-                                     mode="w", format=tarfile.USTAR_FORMAT, encoding="utf-8")
         self._keys: set[str] = set()
         self.closed = False
 
+    def _member(self, name: str, data: bytes) -> int:
+        """Header, data and zero padding to a whole block of one member; returns the header's offset."""
+        at = self._out.pos
+        self._out.write(_ustar_header(name, len(data)))
+        self._out.write(data)
+        pad = -len(data) % BLOCK
+        if pad:
+            self._out.write(_NUL_BLOCK[:pad])
+        return at
+
     def add(self, key: str, ext: str, audio: bytes, meta_json: bytes) -> MemberOffsets:
-        if not KEY_RE.match(key):
+        if not KEY_RE.fullmatch(key):
             raise ValueError(f"shard key {key!r} must match [A-Za-z0-9_-]{{1,80}}")
         if ext not in CODECS:
             raise ValueError(f"audio extension {ext!r} not in {CODECS}")
         if key in self._keys:
             raise ValueError(f"duplicate key {key!r} in one shard")
         self._keys.add(key)
-        offset = self._tar.offset
-        self._tar.addfile(_tarinfo(f"{key}.{ext}", len(audio)), io.BytesIO(audio))
-        json_header = self._tar.offset
-        self._tar.addfile(_tarinfo(f"{key}.json", len(meta_json)), io.BytesIO(meta_json))
+        offset = self._member(f"{key}.{ext}", audio)
+        json_header = self._member(f"{key}.json", meta_json)
         return MemberOffsets(
             offset=offset,
-            size=self._tar.offset - offset,
+            size=self._out.pos - offset,
             audio_offset=offset + BLOCK,
             audio_size=len(audio),
             json_offset=json_header + BLOCK,
@@ -103,8 +120,12 @@ class ShardWriter:
         )
 
     def close(self) -> None:
+        """The end of the archive as tarfile writes it: two zero blocks, then zeros up to a whole record."""
         if not self.closed:
-            self._tar.close()
+            self._out.write(_NUL_BLOCK * 2)
+            rest = self._out.pos % _RECORD
+            if rest:
+                self._out.write(bytes(_RECORD - rest))
             self.closed = True
 
     @property

@@ -6,9 +6,12 @@
                       offsets/sizes inside the shard and non-overlapping, durations, rates, sample counts)
 
 A dataset URL is often someone else's bucket, so every name that is joined onto the dataset URL must match the
-format's patterns (`shard-NNNNNN.tar`, `<name>.parquet`): no `/`, no `..`, no scheme, so every path stays inside
-the dataset. Every byte count is bounded before a reader allocates by it, and every count that sizes a buffer
-(num_samples, audio_size) is bounded by the row's duration. A violation is one `DatasetError` naming the file,
+format's patterns (`shard-NNNNNN.tar`, `<name>.parquet`) as whole strings (fullmatch: `$` accepts a trailing
+newline): no `/`, no `..`, no scheme, so every path stays inside the dataset. Every byte count is bounded before a
+reader allocates by it, and every count that sizes a buffer is tied to the row's duration: num_samples must be
+duration_s x sample_rate_hz (1% + 1 ms; the planner budgets durations, the reader allocates sample counts), and
+audio_size within what a codec stores for it. The index file itself (footer, string lengths) is bounded before it
+is read: format/indexread.py. A violation is one `DatasetError` naming the file,
 the field and the (escaped, shortened) value, raised when the dataset is opened or its index read, before any
 shard byte is read.
 
@@ -25,11 +28,11 @@ from typing import Any
 import numpy as np
 
 BLOCK = 512
-SHARD_NAME_RE = re.compile(r"^shard-[0-9]{6,9}\.tar$")
-INDEX_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}\.parquet$")
-REJECTS_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}\.jsonl$")
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-KEY_PATTERN = r"^[A-Za-z0-9_-]{1,80}$"
+SHARD_NAME_RE = re.compile(r"shard-[0-9]{6,9}\.tar")
+INDEX_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}\.parquet")
+REJECTS_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}\.jsonl")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+KEY_PATTERN = r"\A[A-Za-z0-9_-]{1,80}\z"
 """Sample keys (format/tar.KEY_RE): they name tar members and land in logs and loader state."""
 
 MAX_MANIFEST_BYTES = 512 << 20
@@ -45,6 +48,13 @@ MAX_JSON_BYTES = 1 << 20
 MAX_DURATION_S = 86_400.0
 MAX_SAMPLE_RATE_HZ = 768_000
 MAX_CHANNELS = 64
+SAMPLES_REL_TOL = 0.01
+SAMPLES_ABS_TOL_S = 0.001
+"""num_samples may differ from duration_s x sample_rate_hz by 1% + 1 ms + 1 sample (pack writes duration_s =
+num_samples / rate exactly; the slack admits durations rounded by other tools). It bounds what a batch can
+hold: at most 1.01 x its budget + 1 ms a row, where an unrelated num_samples put 150x the budget in a batch."""
+RELATED_COLUMNS = ("duration_s", "num_samples", "sample_rate_hz")
+"""Checked against each other: a read that asks for one of them reads all three (Dataset.read_index)."""
 MEMBER_SLACK_BYTES = 8 * BLOCK
 """A sample's `size` may exceed its two members' data by at most two headers, padding and this slack."""
 
@@ -91,7 +101,7 @@ def _float(d: dict, k: str, where: str, lo: float, hi: float) -> float:
 
 def _name(d: dict, k: str, where: str, pattern: re.Pattern, default: str | None = None) -> str:
     v = d.get(k, default)
-    if not isinstance(v, str) or not pattern.match(v):
+    if not isinstance(v, str) or not pattern.fullmatch(v):
         raise DatasetError(f"{where}.{k} = {show(v)} must match {pattern.pattern} (a file inside the dataset)")
     return v
 
@@ -109,7 +119,7 @@ def check_shard_entry(s: object, where: str) -> dict:
         "bytes": _int(s, "bytes", where, 0, MAX_SHARD_BYTES),
         "sha256": s.get("sha256"),
     }
-    if not isinstance(out["sha256"], str) or not SHA256_RE.match(out["sha256"]):
+    if not isinstance(out["sha256"], str) or not SHA256_RE.fullmatch(out["sha256"]):
         raise DatasetError(f"{where}.sha256 = {show(out['sha256'])} must be 64 lowercase hex digits")
     if out["min_duration_s"] > out["max_duration_s"]:
         raise DatasetError(f"{where}: min_duration_s {out['min_duration_s']} > max_duration_s {out['max_duration_s']}")
@@ -222,10 +232,15 @@ def _check_numbers(table, first_row: int = 0) -> None:
         _fail(table, f"channels must be in [1, {MAX_CHANNELS}]", (chans < 1) | (chans > MAX_CHANNELS),
               {"channels": chans}, first_row=first_row)
     if n is not None:
-        # a reader allocates num_samples per row before decoding: bound it by the row's duration (+1 s)
-        limit = (dur * rate + rate) if dur is not None and rate is not None else MAX_DURATION_S * MAX_SAMPLE_RATE_HZ
-        _fail(table, "num_samples must be >= 0 and at most duration_s x sample_rate_hz + 1 s",
-              (n < 0) | (n > limit), {"num_samples": n}, first_row=first_row)
+        _fail(table, f"num_samples must be in [0, {MAX_DURATION_S * MAX_SAMPLE_RATE_HZ:.0f}]",
+              (n < 0) | (n > MAX_DURATION_S * MAX_SAMPLE_RATE_HZ), {"num_samples": n}, first_row=first_row)
+    if n is not None and dur is not None and rate is not None:
+        # the planner budgets duration_s, a reader allocates num_samples: they must be the same length of audio
+        expect = dur * rate
+        tol = expect * SAMPLES_REL_TOL + rate * SAMPLES_ABS_TOL_S + 1
+        _fail(table, f"num_samples must be duration_s x sample_rate_hz (within {SAMPLES_REL_TOL:.0%} + "
+                     f"{SAMPLES_ABS_TOL_S * 1e3:.0f} ms)", np.abs(n - expect) > tol,
+              {"num_samples": n, "duration_s": dur, "sample_rate_hz": rate}, first_row=first_row)
     asize = _col(table, "audio_size", np.int64)
     if asize is not None and dur is not None and rate is not None and chans is not None:
         limit = 4096 + dur * rate * chans * 8  # 8 bytes per sample: float64 WAV, the largest codec stores

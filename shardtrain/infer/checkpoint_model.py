@@ -1,5 +1,8 @@
 """A trained model ready for inference, loaded from what `shardtrain train` wrote.
 
+    Lightning: RUN_DIR/checkpoints/{last,step=N,best-step=N-val_loss=X}.ckpt or one .ckpt file (hyper_parameters:
+    config + tokenizer; state_dict: the model under `model.`), as interop/lightning.build_trainer writes them.
+
     RUN_DIR/                      or   RUN_DIR/checkpoints/step_NNNNNN/
       checkpoints/step_NNNNNN/         model.pt   (state_dict)
         model.pt, meta.json            meta.json  (step, val_loss, the resolved RunConfig)
@@ -37,33 +40,61 @@ from shardtrain.train.text import Tokenizer, tokenizer_from_json
 
 log = logging.getLogger(__name__)
 
-_STEP = re.compile(r"^step_(\d{6,})$")
+_STEP = re.compile(r"step_(\d{6,})\Z")
+_PL_STEP = re.compile(r"step=(\d+)")
+_PL_LOSS = re.compile(r"val_loss=([0-9.]+?)(?:\.ckpt)?\Z")
 
 
 class CheckpointError(ValueError):
     """A path that is not a run directory or a committed checkpoint; the message says what was expected."""
 
 
+def _lightning_checkpoint(root: Path, which: str) -> Path | None:
+    """A Lightning run's `.ckpt` (interop/lightning.build_trainer names them step=N.ckpt, best-step=N-val_loss=X.ckpt
+    and last.ckpt): latest = last.ckpt, else the highest step; best = the lowest val_loss in a name."""
+    ckpts = sorted(root.glob("*.ckpt")) if root.is_dir() else []
+    if not ckpts:
+        return None
+    if which == "best":
+        scored = [(float(m.group(1)), c.name, c) for c in ckpts if (m := _PL_LOSS.search(c.name))]
+        if not scored:
+            raise CheckpointError(f"{root}: no Lightning checkpoint names a val_loss; use which='latest'")
+        return min(scored)[2]
+    if (root / "last.ckpt").is_file():
+        return root / "last.ckpt"
+    def order(c: Path) -> tuple[int, float]:
+        m = _PL_STEP.search(c.name)
+        return (int(m.group(1)) if m else -1, c.stat().st_mtime)
+
+    return max(ckpts, key=order)
+
+
 def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
-    """A committed step directory (holding meta.json and model.pt) from a step dir or a run dir."""
+    """A committed step directory (holding meta.json and model.pt) from a step dir or a run dir, or a Lightning
+    `.ckpt` file (given, or found in the run dir's checkpoints/)."""
     p = Path(path)
+    if which not in ("latest", "best"):
+        raise CheckpointError(f"which must be 'latest' or 'best', got {which!r}")
+    if p.suffix == ".ckpt" and p.is_file():
+        return p
     if (p / "meta.json").is_file() and (p / "model.pt").is_file():
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     steps = sorted((int(m.group(1)), d) for d in (root.iterdir() if root.is_dir() else ())
                    if (m := _STEP.match(d.name)) and (d / "meta.json").is_file() and (d / "model.pt").is_file())
+    if not steps and (pl := _lightning_checkpoint(root, which)) is not None:
+        return pl
     if not steps:
         raise CheckpointError(f"{p}: no checkpoint here; pass a run directory (the --out of `shardtrain train`, "
-                              "holding checkpoints/step_NNNNNN/) or one step_NNNNNN directory")
+                              "holding checkpoints/step_NNNNNN/, or of a Lightning run holding checkpoints/*.ckpt), "
+                              "one step_NNNNNN directory or one .ckpt file")
     if which == "latest":
         return steps[-1][1]
-    if which == "best":
-        scored = [(m["val_loss"], s, d) for s, d in steps
-                  if (m := json.loads((d / "meta.json").read_text())).get("val_loss") is not None]
-        if not scored:
-            raise CheckpointError(f"{p}: no checkpoint has a validation loss; use which='latest'")
-        return min(scored)[2]
-    raise CheckpointError(f"which must be 'latest' or 'best', got {which!r}")
+    scored = [(m["val_loss"], s, d) for s, d in steps
+              if (m := json.loads((d / "meta.json").read_text())).get("val_loss") is not None]
+    if not scored:
+        raise CheckpointError(f"{p}: no checkpoint has a validation loss; use which='latest'")
+    return min(scored)[2]
 
 
 def _tokenizer(step_dir: Path) -> Tokenizer:
@@ -72,6 +103,18 @@ def _tokenizer(step_dir: Path) -> Tokenizer:
         return tokenizer_from_json(json.loads(vocab.read_text()))
     main = torch.load(step_dir / "train_state.pt", map_location="cpu", weights_only=True)
     return tokenizer_from_json(main["tokenizer"])
+
+
+def _lightning_parts(ckpt: Path) -> tuple[dict, Tokenizer, dict]:
+    """(meta with step and config, tokenizer, model state_dict) of a CTCLightningModule checkpoint: its
+    hyper_parameters hold the RunConfig and the tokenizer, its state_dict the model under `model.`."""
+    d = torch.load(ckpt, map_location="cpu", weights_only=True)
+    hp = d.get("hyper_parameters") if isinstance(d, dict) else None
+    if not isinstance(hp, dict) or "config" not in hp or "tokenizer" not in hp:
+        raise CheckpointError(f"{ckpt}: not a shardtrain Lightning checkpoint (no config/tokenizer in its "
+                              "hyper_parameters; train with interop.lightning.CTCLightningModule)")
+    state = {k[len("model."):]: v for k, v in d["state_dict"].items() if k.startswith("model.")}
+    return {"step": int(d.get("global_step", 0)), "config": hp["config"]}, tokenizer_from_json(hp["tokenizer"]), state
 
 
 @dataclass(slots=True)
@@ -135,16 +178,19 @@ def load_trained(path: str | Path, *, device: str = "cpu", which: str = "latest"
     """Load a checkpoint (step dir) or a run dir's latest/best one. `qat`: None = as trained (`train.qat`),
     False = the float model (what ONNX export wants), True = force fake-quant layers. Cost: one torch.load."""
     step_dir = find_checkpoint(path, which)
-    meta = json.loads((step_dir / "meta.json").read_text())
-    if "config" not in meta:
-        raise CheckpointError(f"{step_dir}/meta.json holds no config; it was not written by `shardtrain train`")
+    if step_dir.suffix == ".ckpt":
+        meta, tok, state = _lightning_parts(step_dir)
+    else:
+        meta = json.loads((step_dir / "meta.json").read_text())
+        if "config" not in meta:
+            raise CheckpointError(f"{step_dir}/meta.json holds no config; it was not written by `shardtrain train`")
+        tok = _tokenizer(step_dir)
+        state = torch.load(step_dir / "model.pt", map_location="cpu", weights_only=True)
     cfg: RunConfig = from_dict(RunConfig, meta["config"])
-    tok = _tokenizer(step_dir)
     dev = resolve_device(device)
     model = build_model(cfg.model, len(tok), cfg.features.n_mels)
     if cfg.train.qat if qat is None else qat:
         enable_qat(model)
-    state = torch.load(step_dir / "model.pt", map_location="cpu", weights_only=True)
     model.load_state_dict(state)
     model.to(dev).eval()
     log.info("loaded %s (step %s, %s encoder, vocabulary %d) on %s", step_dir, meta.get("step"),

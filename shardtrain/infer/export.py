@@ -5,7 +5,8 @@
            -> log-mel (STFT as an ONNX op) -> normalisation -> encoder -> log_probs [B, T', V], out_lengths [B]
       -> torch.onnx.export(dynamo=True, opset 18), batch and time axes dynamic      -> OUT.onnx
       -> onnxruntime.quantization.quantize_dynamic(int8 weights, uint8 activations) -> OUT.int8.onnx
-    OnnxRecognizer(OUT.onnx): resample (torch) -> pad to >= MIN_SAMPLES -> session.run -> greedy CTC -> texts
+    OnnxRecognizer(OUT.onnx): infer/onnx_runtime.py, numpy + onnxruntime only (no torch): resample -> pad to
+        >= MIN_SAMPLES -> session.run -> greedy CTC -> texts
 
 The feature front end is inside the graph (`with_features=True`, the default): the ONNX model takes raw audio at
 the model's rate, so a deployment needs no torchaudio. It exports cleanly (log-mel per utterance is the same
@@ -23,33 +24,32 @@ Export cost: ~5-10 s for the tiny Conformer on 2 CPU cores (dynamo tracing); a B
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Iterator, cast
 
-import numpy as np
 import torch
 
 from shardtrain.infer.checkpoint_model import TrainedModel
-from shardtrain.train.augment import resample
 from shardtrain.train.features import FeatureConfig, log_mel, normalize
 from shardtrain.train.model import CTCModel
 from shardtrain.train.overrides import from_dict
 from shardtrain.train.qat import disable_qat
-from shardtrain.train.text import Tokenizer, greedy_decode, tokenizer_from_json
+from shardtrain.infer.onnx_runtime import MIN_SAMPLES, OnnxRecognizer
+
+__all__ = ["ExportResult", "OnnxRecognizer", "export_onnx", "mel_matmuls", "quantize_int8"]
 
 log = logging.getLogger(__name__)
 
 OPSET = 18
-MIN_SAMPLES = 4000
-"""Shortest waves width the graph was exported for (0.25 s at 16 kHz); shorter inputs are zero-padded to it
-(their `lengths` stay true, and padding never reaches valid frames)."""
 MIN_FRAMES = 32
 
 
@@ -112,7 +112,7 @@ def export_onnx(tm: TrainedModel, out: str | os.PathLike, *, with_features: bool
         time_dim = torch.export.Dim("frames", min=MIN_FRAMES)
     shapes = {"waves" if with_features else "feats": {0: batch, 1: time_dim},
               "lengths" if with_features else "feat_lengths": {0: batch}}
-    with torch.no_grad():
+    with torch.no_grad(), _benign_export_noise_filtered():
         torch.onnx.export(wrapper, args, str(out), input_names=names, output_names=["log_probs", "out_lengths"],
                           dynamic_shapes=shapes, dynamo=True, opset_version=OPSET, verbose=False)
     _write_metadata(out, tm, with_features)
@@ -126,6 +126,38 @@ def export_onnx(tm: TrainedModel, out: str | os.PathLike, *, with_features: bool
     return ExportResult(path=str(out), quantized_path=str(qpath) if qpath else None, with_features=with_features,
                         bytes=out.stat().st_size, quantized_bytes=qpath.stat().st_size if qpath else None,
                         export_s=export_s)
+
+
+BENIGN_LOGS = {"torch.onnx._internal.exporter._registration": "torchvision is not installed. Skipping torchvision::"}
+"""Logger -> message prefix torch.onnx.export logs on every call that says nothing about this model (we export no
+torchvision op)."""
+BENIGN_WARNINGS = r"# The axis name: (\w+) will not be used, since it shares the same shape constraints with another axis"
+"""A UserWarning for a Dim used on two inputs (waves and lengths share `batch`, on purpose)."""
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _benign_export_noise_filtered() -> Iterator[None]:
+    """Silence exactly the known-benign lines of torch.onnx.export (by logger + message prefix, and by warning
+    category + message), for the duration of the call; any other warning or log line still shows."""
+    filters = [(logging.getLogger(name), _DropPrefix(prefix)) for name, prefix in BENIGN_LOGS.items()]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=BENIGN_WARNINGS, category=UserWarning)
+            yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
 
 
 def _write_metadata(path: Path, tm: TrainedModel, with_features: bool) -> None:
@@ -179,40 +211,3 @@ def quantize_int8(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         if k not in have:
             m.metadata_props.add(key=k, value=v)
     onnx.save(m, str(dst))
-
-
-class OnnxRecognizer:
-    """An exported model in ONNX Runtime: raw waves in, log-probs and greedy transcripts out."""
-
-    def __init__(self, path: str | os.PathLike, *, providers: list[str] | None = None, threads: int = 0) -> None:
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), opts, providers=providers or ["CPUExecutionProvider"])
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if "shardtrain.tokenizer" not in meta:
-            raise ValueError(f"{path}: not exported by `shardtrain export` (no shardtrain.tokenizer metadata)")
-        self.tokenizer: Tokenizer = tokenizer_from_json(json.loads(meta["shardtrain.tokenizer"]))
-        self.features: FeatureConfig = from_dict(FeatureConfig, json.loads(meta["shardtrain.features"]))
-        self.input_kind = meta["shardtrain.input"]
-        self.path = str(path)
-
-    @property
-    def sample_rate_hz(self) -> int:
-        return self.features.sample_rate_hz
-
-    def log_probs(self, waves: torch.Tensor, lengths: torch.Tensor, rate_hz: int) -> tuple[np.ndarray, np.ndarray]:
-        """waves [B, T] float32 at `rate_hz` -> (log_probs [B, T', V], out_lengths [B]) as numpy."""
-        if self.input_kind != "waves":
-            raise ValueError(f"{self.path} takes features, not audio (exported with --no-features)")
-        waves, lengths = resample(waves.float(), lengths.long(), rate_hz, self.sample_rate_hz)
-        if waves.shape[1] < MIN_SAMPLES:
-            waves = torch.nn.functional.pad(waves, (0, MIN_SAMPLES - waves.shape[1]))
-        lp, ol = self.session.run(None, {"waves": waves.contiguous().numpy(), "lengths": lengths.numpy()})
-        return lp, ol
-
-    def transcribe(self, waves: torch.Tensor, lengths: torch.Tensor, rate_hz: int) -> list[str]:
-        lp, ol = self.log_probs(waves, lengths, rate_hz)
-        return [self.tokenizer.decode(ids) for ids in greedy_decode(torch.from_numpy(lp), torch.from_numpy(ol))]

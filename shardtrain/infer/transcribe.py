@@ -1,51 +1,70 @@
-"""Transcribe audio files, folders and shardtrain datasets with a trained model, batched by duration.
+"""Transcribe audio files, folders, corpora and shardtrain datasets with a trained model, batched by duration.
 
-    INPUTS: audio file | folder (searched recursively) | dataset (folder or s3:// prefix with manifest.json)
-      files:    soundfile header probe (duration, rate; no decode) -> group by rate, sort by duration
-                -> batches under max_batch_seconds of *padded* audio -> decode (format.audio) -> mono float32
-      datasets: the training loader itself (one epoch, one rank, every utterance), texts = references
-      -> AudioBatch(keys, refs, waves [B, T], lengths [B], rate) -> TrainedModel.log_probs -> greedy CTC
-      -> one row per utterance: {key, text, duration_s, source[, reference, cer]}
+    INPUTS: audio file | folder (searched recursively) | UtteranceSource | dataset (manifest.json; local or s3://)
+      files, folders -> UtteranceSource (key = file stem, reference = <stem>.txt/.lab or a *.trans.txt line)
+      UtteranceSource (what the CLI builds with pack's readers from a Kaldi data dir -- segments and text honoured --,
+                       a Common Voice release, a Hugging Face dataset or a tsv/jsonl manifest)
+        -> probe headers (audio_in.probe: rate, claimed frames; no decode)
+        -> short ones (<= window_seconds): group by rate, sort by duration, batches under max_batch_seconds of
+           *padded* audio -> decoded block by block (audio_in.read) -> one forward pass per batch
+        -> long ones: decoded and run window by window (audio_in.windows), frame-level best paths concatenated,
+           then collapsed (greedy CTC over the whole file): memory is one window, whatever the file's length
+      datasets: the training loader itself (one epoch, one rank, every utterance), texts = references; an
+           utterance longer than window_seconds (decoded whole by the loader: its samples, bounded by what pack
+           admitted) goes through the model window by window as well
+      -> one row per utterance: {key, text, duration_s, source[, reference, cer]} or {key, source, error}
 
-References: a dataset's index text; for files, `<name>.txt` beside the audio or a LibriSpeech
-`<speaker>-<chapter>.trans.txt` in its folder. Rows come in processing order (per input, shortest first
-within a sample rate), not input order: sorting by duration is what keeps padding, and time, low.
-A file that cannot be read or decoded is skipped, logged and recorded in `Transcriber.errors` (the CLI exits
-1 when there are any); a dataset's corrupt samples are counted by the loader the same way.
-Cost: per batch one forward pass; decoding files runs in the calling thread (inference dominates).
+Rows come in processing order (per input, shortest first within a sample rate), not input order: sorting by
+duration is what keeps padding, and time, low. Every per-utterance failure (unreadable or lying audio, a segment
+out of range, a reader's reject, a batch the model failed on) is a row with an `error` field ("reason: detail"),
+logged and recorded in `Transcriber.errors` (the CLI exits 1 when there are any); never a traceback.
+
+Windows do not overlap: a word cut by a window border is decoded from two halves with less context each, which
+costs a little accuracy at the borders (one border per `window_seconds`); a model's frame-level outputs are
+concatenated across windows before the CTC collapse, so nothing else changes. `cer` in a row is computed after the
+model's text normaliser (the tokenizer's, train/normalize.py) on both sides; `reference` is the raw transcript.
+Cost: per batch or window one forward pass; decoding runs in the calling thread (inference dominates).
 """
 from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
-import soundfile as sf
 import torch
 from tqdm import tqdm
 
 from shardtrain import storage
-from shardtrain.format.audio import AudioError, decode
+from shardtrain.format.audio import AudioError
 from shardtrain.format.manifest import open_dataset
+from shardtrain.infer.audio_in import Probe, Utterance, probe, read, windows
 from shardtrain.infer.checkpoint_model import TrainedModel
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import build_loader
 from shardtrain.load.plan import BucketConfig
-from shardtrain.train.text import edit_distance, normalize_text
+from shardtrain.train.normalize import TextNormConfig
+from shardtrain.train.text import BLANK, edit_distance, normalize_text
 from shardtrain.world import World
 
 log = logging.getLogger(__name__)
 
 AUDIO_EXTS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
+REFERENCE_EXTS = (".txt", ".lab")
+"""Transcript files beside an audio file (`<stem>.txt`, `<stem>.lab`, any case)."""
+MAX_REFERENCE_BYTES = 1 << 20
+"""A reference file larger than this (1 MiB) is not a transcript: it is ignored (logged)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TranscribeConfig:
     max_batch_seconds: float = 120.0
     """Padded audio seconds per batch (longest x count); an utterance longer than this goes alone."""
+    window_seconds: float = 30.0
+    """Audio longer than this is decoded and run window by window (see the module docstring): the bound on
+    the samples and activations held at once, whatever the file's length (a 2 h file: 240 windows)."""
     progress: bool = True
     """tqdm bar over audio seconds (only when stderr is a terminal)."""
     storage_options: dict | None = None
@@ -54,6 +73,17 @@ class TranscribeConfig:
     def __post_init__(self) -> None:
         if self.max_batch_seconds <= 0:
             raise ValueError("--max-batch-seconds must be > 0")
+        if self.window_seconds <= 0:
+            raise ValueError("--window-seconds must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class UtteranceSource:
+    """Utterances of one input (a name for the `source` field), with what its reader rejected: (key, reason)."""
+
+    name: str
+    items: Sequence[Utterance]
+    rejects: Sequence[tuple[str, str]] = ()
 
 
 @dataclass(slots=True)
@@ -70,9 +100,12 @@ class AudioBatch:
 
 @dataclass(frozen=True, slots=True)
 class _File:
-    path: Path
+    path: Path | str
+    """The audio reference (ties in duration are broken by it)."""
     duration_s: float
     rate_hz: int
+    utt: Utterance | None = field(default=None, compare=False)
+    probe: Probe | None = field(default=None, compare=False)
 
 
 def is_dataset(url: str, storage_options: dict | None = None) -> bool:
@@ -80,26 +113,49 @@ def is_dataset(url: str, storage_options: dict | None = None) -> bool:
 
 
 def audio_files(root: Path) -> list[Path]:
-    """Audio files under `root` (or `root` itself), sorted by path."""
+    """Audio files under `root` (or `root` itself), sorted by path; hidden files (`._x.flac`) are skipped."""
     if root.is_file():
         return [root]
-    return sorted(p for p in root.rglob("*") if p.suffix.lower() in AUDIO_EXTS and p.is_file())
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in AUDIO_EXTS and p.is_file()
+                  and not p.name.startswith("."))
+
+
+def _read_small(path: Path) -> str | None:
+    """A regular file's text, or None (a FIFO, a folder, or a file over MAX_REFERENCE_BYTES is no transcript)."""
+    if not path.is_file():
+        return None
+    if path.stat().st_size > MAX_REFERENCE_BYTES:
+        log.warning("ignored %s as a reference: larger than %d bytes", path, MAX_REFERENCE_BYTES)
+        return None
+    with open(path, "rb") as f:
+        return f.read(MAX_REFERENCE_BYTES).decode("utf-8-sig", errors="replace")
 
 
 def reference_for(path: Path, cache: dict[Path, dict[str, str]]) -> str | None:
-    """`<stem>.txt` beside the audio, else the LibriSpeech *.trans.txt line of its folder; None when neither."""
-    txt = path.with_suffix(".txt")
-    if txt.is_file():
-        return normalize_text(txt.read_text(encoding="utf-8"))
+    """`<stem>.txt` / `.lab` (any case) beside the audio, else the LibriSpeech *.trans.txt line of its folder."""
     folder = path.parent
     if folder not in cache:
         lines: dict[str, str] = {}
-        for trans in folder.glob("*.trans.txt"):
-            for line in trans.read_text(encoding="utf-8").splitlines():
+        siblings = sorted(folder.iterdir())
+        for trans in (p for p in siblings if p.name.endswith(".trans.txt")):
+            for line in (_read_small(trans) or "").splitlines():
                 key, _, text = line.partition(" ")
                 lines[key] = normalize_text(text)
+        for p in siblings:  # per-file transcripts win over a *.trans.txt line
+            if p.suffix.lower() in REFERENCE_EXTS and not p.name.endswith(".trans.txt"):
+                lines[f"\0{p.stem}"] = p.name
         cache[folder] = lines
-    return cache[folder].get(path.stem)
+    own = cache[folder].get(f"\0{path.stem}")
+    found = _read_small(folder / own) if own is not None else None
+    return normalize_text(found) if found is not None else cache[folder].get(path.stem)
+
+
+def folder_source(root: Path) -> UtteranceSource:
+    """An audio file or a folder as utterances (key = file stem, reference when a transcript is found)."""
+    cache: dict[Path, dict[str, str]] = {}
+    return UtteranceSource(name=str(root), items=[Utterance(key=p.stem, audio=str(p),
+                                                            reference=reference_for(p, cache))
+                                                  for p in audio_files(root)])
 
 
 def plan_file_batches(files: Sequence[_File], max_batch_seconds: float) -> list[list[_File]]:
@@ -118,73 +174,115 @@ def plan_file_batches(files: Sequence[_File], max_batch_seconds: float) -> list[
 
 
 class Transcriber:
-    """Runs a TrainedModel over inputs; `errors` collects every input or sample that was skipped."""
+    """Runs a TrainedModel over inputs; `errors` collects every input or utterance that failed."""
 
     def __init__(self, tm: TrainedModel, cfg: TranscribeConfig) -> None:
         self.tm, self.cfg = tm, cfg
         self.errors: list[dict] = []
+        self.normalizer: TextNormConfig = getattr(tm.tokenizer, "normalizer", None) or TextNormConfig()
 
-    def rows(self, inputs: Sequence[str]) -> Iterator[dict]:
+    def resolve(self, x: str | UtteranceSource) -> str | UtteranceSource:
+        """A dataset URL stays a URL (the loader reads it); a local file or folder becomes an UtteranceSource."""
+        if isinstance(x, UtteranceSource) or is_dataset(x, self.cfg.storage_options):
+            return x
+        if storage.is_local(x) and Path(x).exists():
+            return folder_source(Path(x))
+        raise FileNotFoundError(f"{x}: neither an audio file, a folder, nor a dataset (no manifest.json)")
+
+    def rows(self, inputs: Sequence[str | UtteranceSource]) -> Iterator[dict]:
         """One dict per utterance, in processing order (see the module docstring)."""
-        for url in inputs:
-            if is_dataset(url, self.cfg.storage_options):
-                batches, total_s = self._dataset_batches(url)
-            elif storage.is_local(url) and Path(url).exists():
-                batches, total_s = self._file_batches(Path(url))
+        for x in inputs:
+            src = self.resolve(x)
+            if isinstance(src, str):
+                batches, total_s, name = self._dataset_batches(src), self._dataset_seconds(src), src
             else:
-                raise FileNotFoundError(f"{url}: neither an audio file, a folder, nor a dataset (no manifest.json)")
-            bar = tqdm(total=round(total_s, 1), unit="audio-s", desc=Path(url.rstrip("/")).name or url,
+                name = src.name
+                for key, reason in src.rejects:
+                    code, _, detail = reason.partition(": ")
+                    yield self._error(name, key, code, detail)
+                if not src.items:
+                    yield self._error(name, name, "no_audio", f"no readable {'/'.join(AUDIO_EXTS)} files, and no "
+                                                              "manifest.json (not a dataset)")
+                    continue
+                planned = list(self._probe(src))
+                total_s = sum(f.duration_s for f in planned if isinstance(f, _File))
+                batches = self._source_batches(src, planned)
+            bar = tqdm(total=round(min(total_s, 1e9), 1), unit="audio-s", desc=Path(name.rstrip("/")).name or name,
                        disable=not self.cfg.progress or not sys.stderr.isatty())
             try:
                 for b in batches:
+                    if isinstance(b, dict):
+                        yield b
+                        continue
                     yield from self._run(b)
                     bar.update(round(float(b.lengths.sum()) / b.rate_hz, 1))
             finally:
                 bar.close()
 
-    def _run(self, b: AudioBatch) -> Iterator[dict]:
-        hyps = self.tm.transcribe(b.waves, b.lengths, b.rate_hz)
-        for key, ref, hyp, n in zip(b.keys, b.refs, hyps, b.lengths.tolist()):
-            row: dict = {"key": key, "text": hyp, "duration_s": round(n / b.rate_hz, 4), "source": b.source}
-            if ref is not None:
-                ref = normalize_text(ref)
-                row["reference"] = ref
-                row["cer"] = edit_distance(ref, normalize_text(hyp)) / max(len(ref), 1)
-            yield row
-
-    def _file_batches(self, root: Path) -> tuple[Iterator[AudioBatch], float]:
-        files = []
-        for p in audio_files(root):
+    # ---- files and corpora ------------------------------------------------------------------------------------
+    def _probe(self, src: UtteranceSource) -> Iterator[_File | dict]:
+        for u in src.items:
             try:
-                info = sf.info(str(p))
-                files.append(_File(path=p, duration_s=float(info.duration), rate_hz=int(info.samplerate)))
-            except (sf.SoundFileError, RuntimeError) as e:
-                self._error(str(p), "unreadable_audio", str(e))
-        if not files:  # e.g. a dataset folder whose manifest.json is missing (an unfinished pack): say so
-            self._error(str(root), "no_audio", f"no readable {'/'.join(AUDIO_EXTS)} files, and no manifest.json "
-                                               "(not a dataset)")
-        plan = plan_file_batches(files, self.cfg.max_batch_seconds)
-        return self._load_files(plan, str(root)), sum(f.duration_s for f in files)
+                p = probe(u, self.cfg.storage_options)
+            except AudioError as e:
+                yield self._error(src.name, u.key, e.reason, str(e).split(": ", 1)[-1], u)
+                continue
+            yield _File(path=u.audio, duration_s=p.duration_s, rate_hz=p.rate_hz, utt=u, probe=p)
 
-    def _load_files(self, plan: list[list[_File]], source: str) -> Iterator[AudioBatch]:
-        refs_cache: dict[Path, dict[str, str]] = {}
-        for group in plan:
+    def _source_batches(self, src: UtteranceSource, planned: list[_File | dict]) -> Iterator[AudioBatch | dict]:
+        yield from (x for x in planned if isinstance(x, dict))  # probe failures first
+        files = [x for x in planned if isinstance(x, _File)]
+        short = [f for f in files if f.duration_s <= self.cfg.window_seconds]
+        for group in plan_file_batches(short, self.cfg.max_batch_seconds):
             clips, keys, refs = [], [], []
             for f in group:
+                assert f.utt is not None
                 try:
-                    x, _ = decode(f.path.read_bytes())
-                except (AudioError, OSError) as e:
-                    self._error(str(f.path), "unreadable_audio", str(e))
+                    x, _ = read(f.utt, max_frames=int(self.cfg.window_seconds * f.rate_hz) + 1,
+                                storage_options=self.cfg.storage_options)
+                except AudioError as e:
+                    yield self._error(src.name, f.utt.key, e.reason, str(e).split(": ", 1)[-1], f.utt)
                     continue
-                clips.append(torch.from_numpy(np.ascontiguousarray(x.mean(axis=1) if x.ndim > 1 else x)))
-                keys.append(f.path.stem)
-                refs.append(reference_for(f.path, refs_cache))
+                clips.append(torch.from_numpy(x))
+                keys.append(f.utt.key)
+                refs.append(f.utt.reference)
             if clips:
                 yield AudioBatch(keys=keys, refs=refs, waves=torch.nn.utils.rnn.pad_sequence(clips, batch_first=True),
                                  lengths=torch.tensor([len(c) for c in clips]), rate_hz=group[0].rate_hz,
-                                 source=source)
+                                 source=src.name)
+        for f in sorted((f for f in files if f.duration_s > self.cfg.window_seconds), key=lambda f: str(f.path)):
+            assert f.utt is not None
+            yield self._windowed(src.name, f.utt, f.rate_hz)
 
-    def _dataset_batches(self, url: str) -> tuple[Iterator[AudioBatch], float]:
+    def _windowed(self, source: str, u: Utterance, rate_hz: int) -> dict:
+        """One long utterance read from its file window by window (one window of samples in memory)."""
+        win = windows(u, max(1, int(self.cfg.window_seconds * rate_hz)), self.cfg.storage_options)
+        return self._windowed_row(source, u.key, u.reference, win, u)
+
+    def _windowed_row(self, source: str, key: str, ref: str | None, win: Iterator[tuple[np.ndarray, int]],
+                      u: Utterance | None = None) -> dict:
+        """Per-frame best ids of each window concatenated, then one CTC collapse: greedy CTC over the whole."""
+        best: list[torch.Tensor] = []
+        samples, rate = 0, 1
+        try:
+            for x, rate in win:
+                lp, ol = self.tm.log_probs(torch.from_numpy(x)[None], torch.tensor([len(x)]), rate)
+                best.append(lp[0, : int(ol[0])].argmax(dim=-1).cpu())
+                samples += len(x)
+        except AudioError as e:
+            return self._error(source, key, e.reason, str(e).split(": ", 1)[-1], u)
+        except RuntimeError as e:  # the model failed on a window (out of memory, ...): this utterance only
+            return self._error(source, key, "model_failed", f"{type(e).__name__}: {e}", u)
+        if not samples:
+            return self._error(source, key, "empty_audio", "no samples decoded", u)
+        ids = torch.unique_consecutive(torch.cat(best)).tolist() if best else []
+        return self._row(key, ref, self.tm.tokenizer.decode([i for i in ids if i != BLANK]), samples / rate, source)
+
+    # ---- datasets ---------------------------------------------------------------------------------------------
+    def _dataset_seconds(self, url: str) -> float:
+        return float(open_dataset(url, self.cfg.storage_options).totals.get("seconds", 0.0))
+
+    def _dataset_batches(self, url: str) -> Iterator[AudioBatch | dict]:
         ds = open_dataset(url, self.cfg.storage_options)
         longest = max((s.max_duration_s for s in ds.shards), default=0.0)
         # every utterance must fit a batch (the loader leaves out longer ones): widen the budget when needed
@@ -192,9 +290,6 @@ class Transcriber:
                               num_buckets=min(30, max(1, len(ds.shards))))
         loader = build_loader(url, world=World(), seed=0, cfg=StreamConfig(bucket=bucket, epochs=1),
                               storage_options=self.cfg.storage_options)
-        return self._loader_batches(loader, url), float(ds.totals.get("seconds", 0.0))
-
-    def _loader_batches(self, loader, url: str) -> Iterator[AudioBatch]:
         it = iter(loader)
         try:
             for batch, _ in it:
@@ -205,21 +300,62 @@ class Transcriber:
                                  lengths=batch.lengths, rate_hz=batch.sample_rate_hz, source=url)
         finally:
             it.close()
-            stats = loader.stats()
-            for k in stats["skipped_keys"]:
-                self._error(url, "skipped_sample", str(k))
-            if stats["skipped"] > len(stats["skipped_keys"]):
-                self._error(url, "skipped_sample", f"{stats['skipped'] - len(stats['skipped_keys'])} more")
+        stats = loader.stats()
+        for k in stats["skipped_keys"]:
+            yield self._error(url, str(k), "skipped_sample", "the loader could not decode it")
+        if stats["skipped"] > len(stats["skipped_keys"]):
+            yield self._error(url, url, "skipped_sample", f"{stats['skipped'] - len(stats['skipped_keys'])} more")
 
-    def _error(self, where: str, reason: str, detail: str) -> None:
-        log.warning("skipped %s: %s (%s)", where, reason, detail)
+    # ---- rows -------------------------------------------------------------------------------------------------
+    def _run(self, b: AudioBatch) -> Iterator[dict]:
+        win = max(1, int(self.cfg.window_seconds * b.rate_hz))
+        if int(b.lengths.max()) > win:  # a dataset's long utterance (decoded whole by the loader): windows too
+            for i, (key, ref) in enumerate(zip(b.keys, b.refs)):
+                wave = b.waves[i, : int(b.lengths[i])].float().contiguous()
+                yield self._windowed_row(b.source, key, ref, ((wave[s:s + win].numpy(), b.rate_hz)
+                                                              for s in range(0, len(wave), win)))
+            return
+        try:
+            hyps = self.tm.transcribe(b.waves, b.lengths, b.rate_hz)
+        except RuntimeError as e:  # out of memory, ...: every utterance of the batch is recorded, the run goes on
+            for key in b.keys:
+                yield self._error(b.source, key, "model_failed", f"{type(e).__name__}: {e}")
+            return
+        for key, ref, hyp, n in zip(b.keys, b.refs, hyps, b.lengths.tolist()):
+            yield self._row(key, ref, hyp, n / b.rate_hz, b.source)
+
+    def _row(self, key: str, ref: str | None, hyp: str, duration_s: float, source: str) -> dict:
+        row: dict = {"key": key, "text": hyp, "duration_s": round(duration_s, 4), "source": source}
+        if ref is not None:
+            n_ref, n_hyp = self.normalizer.apply(ref), self.normalizer.apply(hyp)
+            row["reference"] = normalize_text(ref)
+            row["cer"] = edit_distance(n_ref, n_hyp) / max(len(n_ref), 1)
+        return row
+
+    def _error(self, source: str, key: str, reason: str, detail: str, u: Utterance | None = None) -> dict:
+        log.warning("skipped %s (%s): %s (%s)", key, source, reason, detail)
+        where = u.audio if u is not None else source if key == source else f"{source}: {key}"
         self.errors.append({"input": where, "reason": reason, "detail": detail})
+        row: dict = {"key": key, "source": source, "error": f"{reason}: {detail}" if detail else reason}
+        if u is not None and u.reference is not None:
+            row["reference"] = normalize_text(u.reference)
+        return row
 
 
-def transcribe(tm: TrainedModel, inputs: Sequence[str], cfg: TranscribeConfig | None = None) -> tuple[list[dict], list[dict]]:
-    """Convenience: (rows, errors) of a whole run in memory."""
+def transcribe(tm: TrainedModel, inputs: Sequence[str | UtteranceSource],
+               cfg: TranscribeConfig | None = None) -> tuple[list[dict], list[dict]]:
+    """Convenience: (rows, errors) of a whole run in memory; failed utterances are rows with an `error` field."""
     t = Transcriber(tm, cfg or TranscribeConfig())
     return list(t.rows(inputs)), t.errors
 
 
-__all__ = ["TranscribeConfig", "Transcriber", "transcribe", "plan_file_batches", "is_dataset", "AudioBatch"]
+def has_references(src: str | UtteranceSource, storage_options: dict | None = None) -> bool:
+    """Whether anything in `src` can be scored (a dataset: one non-empty text in its index; costs that column)."""
+    if isinstance(src, UtteranceSource):
+        return any(u.reference for u in src.items)
+    texts = open_dataset(src, storage_options).read_index(columns=["text"]).column("text")
+    return any(bool(t) for t in texts.to_pylist())
+
+
+__all__ = ["TranscribeConfig", "Transcriber", "transcribe", "plan_file_batches", "is_dataset", "AudioBatch",
+           "UtteranceSource", "Utterance", "has_references", "folder_source"]

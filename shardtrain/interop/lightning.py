@@ -20,7 +20,7 @@ token counts instead.
 Use it from Lightning (CPU or GPU, any number of devices):
 
     dm = ShardDataModule("shards/train", "shards/dev", stream=cfg.stream, seed=0)
-    module = CTCLightningModule(cfg, CharVocab.from_index("shards/train").to_json())
+    module = CTCLightningModule(cfg, CharVocab.from_index("shards/train", normalizer=cfg.text).to_json())
     trainer = build_trainer(cfg, "runs/pl", accelerator="auto", devices=2, strategy="ddp")
     trainer.fit(module, datamodule=dm)                       # add ckpt_path="runs/pl/checkpoints/last.ckpt"
 """
@@ -176,7 +176,8 @@ class CTCLightningModule(pl.LightningModule):
 
 def build_trainer(cfg: RunConfig, out_dir: str | Path, *, callbacks: list | None = None,
                   **trainer_kwargs: Any) -> pl.Trainer:
-    """A Trainer with top-3 checkpoints by val_loss, a rolling `last.ckpt` every `train.ckpt_every_steps`,
+    """A Trainer with top-3 checkpoints by val_loss (`best-step=N-val_loss=X.ckpt`), one `step=N.ckpt` and a
+    rolling `last.ckpt` every `train.ckpt_every_steps` (`shardtrain transcribe/evaluate/export RUN_DIR` read them),
     TensorBoard logs and an LR monitor, stepping `train.max_steps` and validating every `train.val_every_steps`.
     `callbacks` are added to these; `trainer_kwargs` (accelerator, devices, strategy, ...) override the defaults.
     The top-3 callback monitors val_loss, so give the ShardDataModule a validation set."""
@@ -184,10 +185,11 @@ def build_trainer(cfg: RunConfig, out_dir: str | Path, *, callbacks: list | None
     val_every = tc.val_every_steps or tc.max_steps
     callbacks = [
         *(callbacks or []),
-        ModelCheckpoint(dirpath=out / "checkpoints", filename="best-{step}-{val_loss:.4f}", monitor="val_loss",
-                        mode="min", save_top_k=3),
-        ModelCheckpoint(dirpath=out / "checkpoints", filename="step-{step}", save_top_k=-1,
-                        every_n_train_steps=tc.ckpt_every_steps or tc.max_steps, save_last=True),
+        ModelCheckpoint(dirpath=out / "checkpoints", filename="best-step={step}-val_loss={val_loss:.4f}",
+                        monitor="val_loss", mode="min", save_top_k=3, auto_insert_metric_name=False),
+        ModelCheckpoint(dirpath=out / "checkpoints", filename="step={step}", save_top_k=-1,  # step=200.ckpt
+                        every_n_train_steps=tc.ckpt_every_steps or tc.max_steps, save_last=True,
+                        auto_insert_metric_name=False),
         LearningRateMonitor(logging_interval="step"),
     ]
     kwargs: dict[str, Any] = dict(

@@ -41,10 +41,11 @@ class StreamConfig:
     retries: int | None = None
     """Cap on failed tries in a row of one read (None: only `retry_budget_s` limits them)."""
     retry_budget_s: float = 120.0
-    """Seconds a read keeps retrying transient errors (connection refused/reset, timeouts, 5xx, throttling)
-    without receiving a byte, resuming at the byte reached. Long enough to ride out a server restart or a short
-    partition; past it the loader raises StreamError naming the URL (the job stops, and resumes from its last
-    checkpoint). Costs nothing while storage answers."""
+    """Seconds a read (shard, manifest or index) may go without progress, waiting or retrying transient errors
+    (connection refused/reset, timeouts, 5xx, throttling) alike, resuming at the byte reached; a silent or
+    trickling server is cut at this budget while it is being waited on (storage.clock). Long enough to ride out
+    a server restart or a short partition; past it the loader raises StreamError naming the URL and the cause
+    (the job stops, and resumes from its last checkpoint). Costs ~6 us per MB read (bench_progress_clock.py)."""
     retry_backoff_s: float = 0.2
     """First backoff delay; doubles per consecutive failure (jittered, capped at 5 s)."""
     piece_mb: float = 8.0

@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from shardtrain import storage
+from shardtrain.format.indexread import check_footer, dictionary_columns, read_bounded
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.validate import DatasetError, check_index
 from shardtrain.load import mapfiles
@@ -198,7 +199,8 @@ def _build(ds: Dataset, folder: Path, *, text: bool, source: dict) -> None:
     log.info("building a memory-mapped index of %s (%d rows) in %s", ds.url, rows, folder)
     need, w = 0, None
     try:
-        with storage.open_ranged(ds.index_url, ds.storage_options, direct_http=ds.direct_http) as f:
+        with storage.open_ranged(ds.index_url, ds.storage_options, direct_http=ds.direct_http,
+                                 budget_s=ds.budget_s) as f:
             pf = pq.ParquetFile(f)
             if pf.metadata.num_rows != rows:
                 raise DatasetError(f"{ds.index_url}: {pf.metadata.num_rows} rows, the manifest's shards hold {rows}")
@@ -209,8 +211,10 @@ def _build(ds: Dataset, folder: Path, *, text: bool, source: dict) -> None:
             w = mapfiles.ColumnFiles(tmp, rows, dtypes, strings)
             check = _WholeIndexCheck(ds)
             cols = list(PLAN_COLUMNS) + ["sample_rate_hz", *strings]
+            check_footer(pf, rows, cols, ds.index_url)  # sizes bounded before a row group is read
+            pf = pq.ParquetFile(f, metadata=pf.metadata, read_dictionary=dictionary_columns(pf.schema_arrow))
             for g in tqdm(range(pf.num_row_groups), desc="index -> memory map", unit="group", disable=None):
-                table = pf.read_row_group(g, columns=cols)
+                table = read_bounded(pf, cols, ds.index_url, row_group=g)  # strings length-checked, then decoded
                 check_index(table, [s.bytes for s in ds.shards], None, w.at)
                 check.add(table, w.at)
                 w.add(table)

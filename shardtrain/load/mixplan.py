@@ -62,7 +62,8 @@ class MixturePlanner:
         self.weights = [w for _, w in self.sources]
         self.bucket, self.seed = cfg.bucket, seed
         self.epoch_s = None if epoch_hours is None else epoch_hours * 3600.0
-        parts = [open_dataset(u, storage_options, direct_http=cfg.s3_direct_http) for u in self.datasets]
+        parts = [open_dataset(u, storage_options, direct_http=cfg.s3_direct_http, budget_s=cfg.retry_budget_s)
+                 for u in self.datasets]
         self.data = Shards.of(parts, storage_options)
         rows = sum(s.samples for d in parts for s in d.shards)
         self.name = "blocks" if by_blocks(cfg, rows, f"the mixture {self.datasets}") else "rows"

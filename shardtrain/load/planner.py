@@ -269,7 +269,7 @@ def by_blocks(cfg: StreamConfig, rows: int, what: str) -> bool:
 
 def open_planner(url: str, cfg: StreamConfig, seed: int, storage_options: dict | None) -> Planner:
     """The planner of one dataset: rows, or blocks (see `by_blocks`)."""
-    ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http)
+    ds = open_dataset(url, storage_options, direct_http=cfg.s3_direct_http, budget_s=cfg.retry_budget_s)
     rows = sum(s.samples for s in ds.shards)
     kind = BlocksPlanner if by_blocks(cfg, rows, url) else RowsPlanner
     return kind(ds, cfg, seed, storage_options)

@@ -34,6 +34,7 @@ from typing import Any
 import fsspec
 
 from shardtrain.pack.probe import byte_range_ref
+from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
 from shardtrain.pack.sources import Item, Reject, _open_text, _opt_str, _ref, table_rows
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ def detect(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
         return "kaldi"
     if has("clips") and has("validated.tsv"):
         return "commonvoice"
-    if has("dataset_info.json") or any(n.endswith((".arrow", ".parquet")) for n in names):
+    if has("dataset_info.json") or has("dataset_dict.json") or any(n.endswith((".arrow", ".parquet"))
+                                                                   for n in names):
         return "hf"
     return None
 
@@ -83,7 +85,11 @@ def _kaldi_table(fs: fsspec.AbstractFileSystem, path: str, rejects: list[Reject]
     out: dict[str, str] = {}
     if not fs.exists(path):
         return out
-    for n, raw in enumerate(fs.cat_file(path).splitlines(), 1):
+    try:
+        data = read_bounded(fs, path, MAX_TABLE_BYTES)
+    except InputFileError as e:  # the whole corpus depends on this table: refuse the input, in one line
+        raise ValueError(f"Kaldi table {e}") from None
+    for n, raw in enumerate(data.splitlines(), 1):
         try:
             line = raw.decode("utf-8").strip()
         except UnicodeDecodeError as e:
@@ -240,8 +246,6 @@ def _hf_files(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     state = posixpath.join(path, "state.json")
     if fs.exists(state):  # save_to_disk: the data files in their order
         return [posixpath.join(path, d["filename"]) for d in json.loads(fs.cat_file(state))["_data_files"]]
-    if fs.exists(posixpath.join(path, "dataset_dict.json")):
-        raise ValueError(f"{path!r} is a DatasetDict; pass one split's folder (e.g. {path}/train) as INPUT")
     files = sorted(p for p in fs.find(path) if p.endswith((".arrow", ".parquet")))
     if not files:
         raise ValueError(f"{path!r} holds no .arrow or .parquet files")
@@ -298,10 +302,40 @@ def _hf_meta(fs: fsspec.AbstractFileSystem, root: str, schema: Any) -> dict | No
     return json.loads(raw) if raw else None
 
 
+def hf_splits(fs: fsspec.AbstractFileSystem, path: str) -> list[str] | None:
+    """The splits of a DatasetDict `save_to_disk` folder (its dataset_dict.json), or None when `path` is not one."""
+    meta = posixpath.join(path, "dataset_dict.json")
+    if not fs.isdir(path) or not fs.exists(meta):
+        return None
+    try:
+        splits = json.loads(read_bounded(fs, meta, MAX_TABLE_BYTES)).get("splits")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{meta}: not a DatasetDict description ({e})") from None
+    if not isinstance(splits, list) or not all(isinstance(x, str) for x in splits):
+        raise ValueError(f"{meta}: 'splits' is not a list of names")
+    return splits
+
+
+def _hf_split_path(fs: fsspec.AbstractFileSystem, path: str, split: str | None) -> str:
+    """`path` itself, or its `split` folder when `path` is a DatasetDict (which then needs a valid `--split`)."""
+    splits = hf_splits(fs, path)
+    if splits is None:
+        if split is not None:
+            raise ValueError(f"--split {split} given, but {path!r} is not a DatasetDict folder (no dataset_dict.json)")
+        return path
+    if split is None or split not in splits:
+        what = "needs --split NAME" if split is None else f"has no split {split!r}"
+        raise ValueError(f"{path!r} is a Hugging Face DatasetDict and {what}; its splits: {', '.join(splits)}")
+    return posixpath.join(path, split)
+
+
 def iter_hf(fs: fsspec.AbstractFileSystem, path: str, text_column: str | None = None,
-            arrow_cache_dir: str | os.PathLike | None = None) -> Iterator[Item | Reject]:
-    """One Item per row of a Hugging Face dataset's Arrow/Parquet files (see the module docstring)."""
+            arrow_cache_dir: str | os.PathLike | None = None, split: str | None = None) -> Iterator[Item | Reject]:
+    """One Item per row of a Hugging Face dataset's Arrow/Parquet files (see the module docstring); a DatasetDict
+    folder (dataset_dict.json) reads its `split` sub-folder."""
     import pyarrow as pa  # noqa: PLC0415
+
+    path = _hf_split_path(fs, path, split)
 
     cache = Path(arrow_cache_dir) if arrow_cache_dir else Path.home() / ".cache" / "shardtrain" / "hf-arrow"
     n = 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 WORK = "_work"
 REJECTS = "rejects.jsonl"
 ENGINES = ("local", "ray")
+DEFAULT_MIN_DURATION_S = 0.2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,10 +75,17 @@ class PackConfig:
     """Target shard size in MiB, estimated from headers before encoding (`--target-shard-mb`)."""
     max_samples_per_shard: int | None = None
     """Also cut a shard after this many samples (`--max-samples-per-shard`)."""
-    min_duration_s: float | None = None
-    """Reject utterances shorter than this (`--min-duration`)."""
+    channels_policy: str = "mix"
+    """Multi-channel input to a mono target (`--channels-policy`): "mix" averages the channels, "first" keeps
+    channel 0, "<index>" keeps that one (transcode.AudioTarget.channel_policy)."""
+    min_duration_s: float | None = DEFAULT_MIN_DURATION_S
+    """Reject utterances shorter than this, reason `too_short` (`--min-duration-s`; 0 or None keeps all). A clip
+    under 0.2 s holds at most a phone or two: with a CTC model it is mostly a target longer than its frames or
+    noise, so it is left out by default, and counted in rejects.jsonl."""
     max_duration_s: float | None = None
-    """Reject utterances longer than this (`--max-duration`)."""
+    """Reject utterances longer than this, reason `too_long` (`--max-duration-s`)."""
+    split: str | None = None
+    """Split of a Hugging Face DatasetDict folder (`--split`, e.g. train); required for one, else unused."""
     workers: int = 1
     """Processes writing shards (`--workers`); 1 writes in this process. Output does not depend on it.
     Local engine only: Ray runs as many tasks as the cluster has CPUs."""
@@ -85,8 +94,9 @@ class PackConfig:
     a cluster, `pip install 'shardtrain[ray]'`). Output does not depend on it."""
     ray_address: str | None = None
     """Ray cluster to join (`--ray-address`): None starts a local one, "auto", or "ray://head:10001"."""
-    part_items: int = 1024
-    """Items per listing/probe task (LibriSpeech: ~part_items/64 chapters). Output does not depend on it."""
+    part_items: int = 256
+    """Items per listing/probe task (LibriSpeech: ~part_items/64 chapters). Output does not depend on it. Small
+    enough that a few thousand files make several parts per worker (the scan runs in the pool)."""
     probe_threads: int = 8
     """Threads reading audio headers (I/O-bound; more helps on S3)."""
     strict: bool = False
@@ -109,7 +119,10 @@ class PackConfig:
             raise ValueError(f"--max-samples-per-shard must be >= 1, got {self.max_samples_per_shard}")
         if self.min_duration_s is not None and self.max_duration_s is not None:
             if self.min_duration_s > self.max_duration_s:
-                raise ValueError("--min-duration must be <= --max-duration")
+                raise ValueError("--min-duration-s must be <= --max-duration-s")
+        from shardtrain.pack.transcode import channel_index
+
+        channel_index(self.channels_policy)
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.probe_threads < 1:
@@ -132,6 +145,8 @@ class PackConfig:
             "max_duration_s": self.max_duration_s,
             "source_format": self.source_format,
             **({"text_column": self.text_column} if self.text_column else {}),
+            **({"split": self.split} if self.split else {}),
+            **({"channels_policy": self.channels_policy} if self.channels_policy != "mix" else {}),
         }
 
 
@@ -148,7 +163,15 @@ class PackResult:
     """Shards written by this run (the rest were complete from an earlier run)."""
     wall_s: float
     probe_s: float = 0.0
+    """Listing + scan + plan: the time before the first shard can be written."""
     write_s: float = 0.0
+    """Writing the shards (read, decode check or transcode, tar, sha256, publish) on the engine."""
+    scan_s: float = 0.0
+    """Of probe_s: listing the input and scanning it (transcripts, headers, filters; pool start-up included)."""
+    plan_s: float = 0.0
+    """Of probe_s: the global plan (duplicates, keys, sort, cut, fingerprint) on the driver."""
+    commit_s: float = 0.0
+    """index.parquet from the done-markers, rejects.jsonl, manifest.json, removing _work/."""
     items: int = 0
     """Items read from INPUT (samples + rejects)."""
     already_complete: bool = False
@@ -264,6 +287,15 @@ class _IndexRows:
         return rows
 
 
+def _warm_arrow() -> None:
+    """pyarrow imports pandas on its first `pa.array` (~1 s of CPU, ~2 s on a loaded machine); the driver needs it
+    for the plan and the index. Started while the pool workers scan (the driver only waits then), it is off the
+    critical path instead of delaying the plan."""
+    import pyarrow as pa
+
+    pa.array([0])
+
+
 def _engine(cfg: PackConfig):
     from shardtrain.pack.engine import LocalEngine, RayEngine
 
@@ -346,9 +378,15 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     t0 = time.perf_counter()
     out, so = str(cfg.output).rstrip("/"), cfg.storage_options
     target = AudioTarget(codec=cfg.codec, sample_rate_hz=cfg.sample_rate_hz, channels=cfg.channels,
-                         keep_original=cfg.keep_original, verify_decode=cfg.decode_check)
-    parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column)
-    plan = make_plan(cfg, engine.scan(cfg, parts, progress.scanned), engine.path_of)
+                         keep_original=cfg.keep_original, verify_decode=cfg.decode_check,
+                         channel_policy=cfg.channels_policy)
+    parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column,
+                       split=cfg.split)
+    if cfg.engine == "local" and cfg.workers > 1:
+        threading.Thread(target=_warm_arrow, name="warm-arrow", daemon=True).start()
+    scans = engine.scan(cfg, parts, progress.scanned)
+    scan_s = time.perf_counter() - t0
+    plan = make_plan(cfg, scans, engine.path_of)
     items = plan.items
     fp, rejects = plan.fingerprint, plan.rejects
     probe_s = time.perf_counter() - t0
@@ -378,6 +416,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     write_s = time.perf_counter() - t1
 
     manifest, all_rejects = _commit(cfg, out, fp, [done[i] for i in range(plan.shards)], rows, rejects.rows)
+    commit_s = time.perf_counter() - t1 - write_s
     by_reason: dict[str, int] = {}
     for r in all_rejects:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
@@ -385,7 +424,8 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     return PackResult(output=out, samples=t["samples"], seconds=t["seconds"], shards=t["shards"], bytes=t["bytes"],
                       rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
                       shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
-                      items=t["samples"] + len(all_rejects))
+                      items=t["samples"] + len(all_rejects), scan_s=scan_s, plan_s=probe_s - scan_s,
+                      commit_s=commit_s)
 
 
 def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _IndexRows,

@@ -35,10 +35,13 @@ class SourcePart:
 
 
 def iter_parts(input: str, source_format: str = "auto", storage_options: dict | None = None,
-               part_items: int = 1024, *, text_column: str | None = None) -> Iterator[SourcePart]:
+               part_items: int = 1024, *, text_column: str | None = None, split: str | None = None
+               ) -> Iterator[SourcePart]:
     """Split `input` into SourceParts of about `part_items` utterances (LibriSpeech: whole chapters); the other
     formats (manifests, Kaldi, Hugging Face, Common Voice) are read here by iter_items and cut into parts."""
     source_format = resolve_format(input, source_format, storage_options)
+    if split is not None and source_format != "hf":
+        raise ValueError(f"--split {split} applies to a Hugging Face DatasetDict; {input!r} is {source_format!r}")
     fs, path = _fs(input, storage_options)
     if source_format in ("dir", "librispeech"):
         todo: list = _dir_entries(fs, path) if source_format == "dir" else _librispeech_transcripts(fs, path)
@@ -48,7 +51,7 @@ def iter_parts(input: str, source_format: str = "auto", storage_options: dict | 
         return
     chunk: list = []
     n = 0
-    for x in iter_items(input, source_format, storage_options, text_column=text_column):
+    for x in iter_items(input, source_format, storage_options, text_column=text_column, split=split):
         chunk.append(x)
         if len(chunk) >= part_items:
             yield SourcePart(index=n, input=input, source_format=source_format, items=tuple(chunk))

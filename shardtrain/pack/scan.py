@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,16 @@ class PartScan:
     digest: np.ndarray = field(default_factory=lambda: np.zeros(0, f"S{DIGEST_BYTES}"))
 
 
+def string_array(values: list[str]) -> pa.Array:
+    """An Arrow string array built from its buffers. Same array as `pa.array(values, pa.string())`, but pa.array
+    imports pandas on its first call (~1-2 s of CPU in every fresh process: each pool worker that scans would pay
+    it, for nothing)."""
+    raw = [v.encode("utf-8") for v in values]
+    offsets = np.zeros(len(raw) + 1, np.int32)
+    np.cumsum([len(b) for b in raw], out=offsets[1:])
+    return pa.StringArray.from_buffers(len(raw), pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"".join(raw)))
+
+
 def _kept(cfg: PackConfig, info) -> bool:
     """Whether the file's bytes will likely be stored unchanged (then its size is the best size estimate)."""
     return cfg.keep_original or (info.codec, info.sample_rate_hz, info.channels) == (
@@ -75,11 +86,19 @@ def _probe_one(cfg: PackConfig, item):
         return e, None
     nbytes = 0
     if _kept(cfg, info):
+        path = str(item.audio)
         try:
-            nbytes = storage.size(str(item.audio), cfg.storage_options)
+            nbytes = os.path.getsize(path) if _is_local(path) and "#bytes=" not in path else \
+                storage.size(path, cfg.storage_options)
         except Exception:  # noqa: BLE001 - only used for the size estimate
             pass
     return info, nbytes
+
+
+def _is_local(path: str) -> bool:
+    """A plain local path (what a local input's items carry): read in this process, one core per worker process;
+    remote URLs are I/O-bound and probed by `probe_threads` threads."""
+    return "://" not in path
 
 
 def _estimate_bytes(cfg: PackConfig, info, duration_s: float, file_bytes: int) -> int:
@@ -112,9 +131,9 @@ def _filter(cfg: PackConfig, item, info) -> tuple[float, dict | None]:
     if start_s + duration_s > info.duration_s + SEGMENT_TOLERANCE_S:
         return reject("segment_out_of_range", f"{start_s}+{duration_s}s > {info.duration_s}s")
     if cfg.min_duration_s is not None and duration_s < cfg.min_duration_s:
-        return reject("too_short")
+        return reject("too_short", f"{duration_s:.3f} s < --min-duration-s {cfg.min_duration_s:g}")
     if cfg.max_duration_s is not None and duration_s > cfg.max_duration_s:
-        return reject("too_long")
+        return reject("too_long", f"{duration_s:.3f} s > --max-duration-s {cfg.max_duration_s:g}")
     return duration_s, None
 
 
@@ -140,6 +159,24 @@ def _early_reject(x) -> dict | None:
     return None
 
 
+def collapse_whitespace(text: str) -> str:
+    """Runs of whitespace (spaces, tabs, line breaks, any Unicode space) -> one space; ends stripped."""
+    return " ".join(text.split())
+
+
+def _collapse_text(item):
+    """The item with its transcript's whitespace collapsed: what the index and `<key>.json` store as `text`.
+    A double space, a tab or a line break inside a transcript is never meaningful, and kept it would become a
+    vocabulary symbol or a scoring difference. Anything beyond whitespace (case, punctuation, Unicode form) is
+    left to the trainer's normaliser, so `text` stays the transcript as written."""
+    from dataclasses import replace
+
+    text = item.text
+    if text is None or text == collapse_whitespace(text):
+        return item
+    return replace(item, text=collapse_whitespace(text))
+
+
 def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
     """Read, probe and filter one part. Returns its PartScan and one record per candidate,
     `(Item, AudioInfo, duration_s, est_bytes)` (AudioInfo None for a late reject). Never raises for bad items.
@@ -156,10 +193,13 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
         if row is not None:
             early.append((n - 1, row))
         elif isinstance(x, Item):
-            cands.append(x)
+            cands.append(_collapse_text(x))
             positions.append(n - 1)
-    with ThreadPoolExecutor(min(cfg.probe_threads, max(1, len(cands)))) as ex:
-        probed = list(ex.map(lambda it: _probe_one(cfg, it), cands))
+    if cfg.probe_threads == 1 or all(_is_local(str(c.audio)) for c in cands):
+        probed = [_probe_one(cfg, it) for it in cands]  # local files: threads only add hand-offs (the GIL)
+    else:
+        with ThreadPoolExecutor(min(cfg.probe_threads, max(1, len(cands)))) as ex:
+            probed = list(ex.map(lambda it: _probe_one(cfg, it), cands))
     m = len(cands)
     ok, dur, est = np.zeros(m, bool), np.zeros(m, np.float64), np.zeros(m, np.int64)
     digest = np.zeros(m, f"S{DIGEST_BYTES}")
@@ -176,7 +216,6 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
         digest[j] = sample_digest(PlannedSample(key="", item=item, info=info, duration_s=duration_s, est_bytes=e))
         records.append((item, info, duration_s, e))
     scan = PartScan(index=part.index, items=n, early=early, pos=np.asarray(positions, np.int32),
-                    ids=pa.array([c.id for c in cands], pa.string()),
-                    keys=pa.array([sanitize_key(c.id) for c in cands], pa.string()),
+                    ids=string_array([c.id for c in cands]), keys=string_array([sanitize_key(c.id) for c in cands]),
                     ok=ok, late=late, duration_s=dur, est_bytes=est, digest=digest)
     return scan, records

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import fsspec
 
 from shardtrain import storage
+from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, InputFileError, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse",
 """kaldi, hf and commonvoice are read by pack/corpora.py."""
 AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio files a "dir" source picks up (case-insensitive); anything else in the tree is ignored."""
+TRANSCRIPT_EXTENSIONS = (".txt", ".lab")
+"""Transcript of a "dir" source's `x.flac`: `x.txt` or `x.lab` (HTK/Festival label text), case-insensitive, in
+this order of preference."""
 
 # Manifest column/key aliases (first match wins). Everything not named here goes to Item.extra.
 _PATH_KEYS = ("path", "audio", "audio_filepath")
@@ -140,7 +144,8 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     fs, path = _fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
                   f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts, a Kaldi "
-                  "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet) or a Common Voice release "
+                  "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, a save_to_disk folder, or a "
+                  "DatasetDict folder with dataset_dict.json and --split) or a Common Voice release "
                   "(clips/ + validated.tsv)")
     if not fs.exists(path):
         raise ValueError(f"input {input!r} does not exist; expected {looked_for}")
@@ -177,9 +182,10 @@ def resolve_format(input: str, source_format: str, storage_options: dict | None)
 
 
 def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None, *,
-               text_column: str | None = None) -> Iterator[Item | Reject]:
+               text_column: str | None = None, split: str | None = None) -> Iterator[Item | Reject]:
     """Yield one Item (or Reject) per utterance of `input`, in a deterministic order. `text_column` names the
-    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present)."""
+    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present); `split`
+    picks the split of a Hugging Face DatasetDict folder (required for one: ValueError listing its splits)."""
     source_format = resolve_format(input, source_format, storage_options)
     fs, path = _fs(input, storage_options)
     if not fs.exists(path):
@@ -199,23 +205,27 @@ def iter_items(input: str, source_format: str = "auto", storage_options: dict | 
             return corpora.iter_kaldi(fs, path)
         if source_format == "commonvoice":
             return corpora.iter_commonvoice(fs, path)
-        return corpora.iter_hf(fs, path, text_column=text_column)
+        return corpora.iter_hf(fs, path, text_column=text_column, split=split)
     return _iter_lhotse(fs, path)
 
 
 # ---- dir ------------------------------------------------------------------------------------------------------
 def _read_transcript(fs: fsspec.AbstractFileSystem, txt: str, item_id: str, audio: str) -> str | Reject:
+    """The transcript in `txt`, read bounded (safeio: regular files of at most MAX_TRANSCRIPT_BYTES only, so a
+    FIFO or an endless file is a reject, not a hang), UTF-8 with an optional BOM, stripped."""
+    name = posixpath.basename(txt)
     try:
-        raw = fs.cat_file(txt)
+        raw = read_bounded(fs, txt, MAX_TRANSCRIPT_BYTES)
     except FileNotFoundError:
-        return Reject(item_id, audio, f"missing_transcript: no {posixpath.basename(txt)}")
+        return Reject(item_id, audio, f"missing_transcript: no {name}")
+    except InputFileError as e:  # a FIFO, a device, a huge file: this utterance is rejected, the pack goes on
+        return Reject(item_id, audio, f"{e.code}: transcript {name} {e.detail}")
     except OSError as e:  # permissions, I/O errors: this utterance is rejected, the pack goes on
-        return Reject(item_id, audio, f"unreadable_transcript: {posixpath.basename(txt)}: {type(e).__name__}: {e}")
+        return Reject(item_id, audio, f"unreadable_transcript: {name}: {type(e).__name__}: {e}")
     try:
         return raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError as e:
-        return Reject(item_id, audio, f"bad_transcript_encoding: {posixpath.basename(txt)} is not UTF-8 ({e.reason} "
-                                      f"at byte {e.start})")
+        return Reject(item_id, audio, f"bad_transcript_encoding: {name} is not UTF-8 ({e.reason} at byte {e.start})")
 
 
 def _iter_dir(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reject]:
@@ -228,10 +238,18 @@ def _iter_dir(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Rejec
 
 
 def _dir_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, str, str | None]]:
-    """The listing half of a "dir" source (one `find`): (audio path, id, transcript path or None) per file."""
+    """The listing half of a "dir" source (one `find`): (audio path, id, transcript path or None) per file.
+
+    The transcript of `x.flac` is `x` + one of TRANSCRIPT_EXTENSIONS matched case-insensitively (`x.txt`, `x.TXT`,
+    `x.Txt`, `x.lab`); when several exist, the first extension of TRANSCRIPT_EXTENSIONS wins, and among spellings
+    of one extension the sorted-first name (so the choice never depends on the listing order)."""
     files = sorted(p for p in fs.find(root) if not posixpath.basename(p).startswith("."))
-    present = set(files)
     audio = [p for p in files if p.lower().endswith(AUDIO_EXTENSIONS)]
+    texts: dict[str, dict[str, str]] = {}
+    for p in files:
+        stem, ext = posixpath.splitext(p)
+        if ext.lower() in TRANSCRIPT_EXTENSIONS:
+            texts.setdefault(stem, {}).setdefault(ext.lower(), p)  # files are sorted: the first spelling stays
     stems: dict[str, int] = {}
     for p in audio:
         stem = posixpath.splitext(p)[0]
@@ -239,8 +257,9 @@ def _dir_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, st
     entries = []
     for p in audio:
         stem = posixpath.splitext(p)[0]
-        txt = stem + ".txt"
-        entries.append((p, posixpath.relpath(p if stems[stem] > 1 else stem, root), txt if txt in present else None))
+        found = texts.get(stem, {})
+        txt = next((found[e] for e in TRANSCRIPT_EXTENSIONS if e in found), None)
+        entries.append((p, posixpath.relpath(p if stems[stem] > 1 else stem, root), txt))
     return entries
 
 
@@ -250,7 +269,8 @@ def _dir_items(fs: fsspec.AbstractFileSystem, entries: Iterable[tuple[str, str, 
     for p, rel, txt in entries:
         ref = _ref(fs, p)
         if txt is None:
-            yield Reject(rel, ref, f"missing_transcript: no {posixpath.basename(posixpath.splitext(p)[0])}.txt")
+            yield Reject(rel, ref, f"missing_transcript: no {posixpath.basename(posixpath.splitext(p)[0])}"
+                                   f"{'/'.join(TRANSCRIPT_EXTENSIONS)}")
             continue
         text = _read_transcript(fs, txt, rel, ref)
         yield text if isinstance(text, Reject) else Item(id=rel, audio=ref, text=text)
@@ -391,7 +411,7 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: lis
         audio = {posixpath.splitext(posixpath.basename(p))[0]: p for p in sorted(fs.ls(chapter_dir, detail=False))
                  if p.lower().endswith(AUDIO_EXTENSIONS)}
         try:
-            lines = fs.cat_file(trans).decode("utf-8").splitlines()
+            lines = read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8").splitlines()
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), _ref(fs, trans), f"bad_transcript_encoding: {e}")
             continue

@@ -21,6 +21,7 @@ from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo
 from shardtrain.format.codecs import CODECS, SF_FORMAT
 from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, MP3_RATES_HZ, open_audio, read_audio_bytes
 from shardtrain.pack.probe import OPUS_RATES_HZ
+from shardtrain.pack.tailcheck import check_tail, seek_tail
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,9 +39,15 @@ class AudioTarget:
     codecs are still transcoded to this target)."""
     verify_decode: bool = True
     """Decode kept-original files fully so a truncated file is rejected here, not in the training loader
-    (FLAC: ~2 ms per 10 s of audio). False trusts the headers."""
+    (FLAC: ~2 ms per 10 s of audio). False still checks that the content reaches the length the header claims (tailcheck: ~0.05 ms)."""
+    channel_policy: str = "mix"
+    """How a multi-channel input becomes the mono a 1-channel target stores (`--channels-policy`): "mix" averages
+    the channels (a recording with speech on one side only loses 6 dB), "first" keeps channel 0, "<index>" keeps
+    that channel (an input with fewer channels is rejected, `missing_channel`). Picking a channel copies its
+    16-bit samples exactly when no resampling is needed."""
 
     def __post_init__(self) -> None:
+        channel_index(self.channel_policy)  # validates
         if self.codec not in CODECS:
             raise ValueError(f"audio codec (--codec) must be one of {CODECS}, got {self.codec!r}")
         if self.sample_rate_hz <= 0:
@@ -54,6 +61,17 @@ class AudioTarget:
         if not 1 <= self.channels <= (2 if self.codec in ("opus", "mp3") else 8):
             raise ValueError(f"--channels must be 1..{2 if self.codec in ('opus', 'mp3') else 8} for "
                              f"{self.codec}, got {self.channels}")
+
+
+def channel_index(policy: str) -> int | None:
+    """None for "mix", else the channel a policy keeps ("first" = 0, "<index>"); ValueError names the flag."""
+    if policy == "mix":
+        return None
+    if policy == "first":
+        return 0
+    if policy.isdigit() and policy.isascii():
+        return int(policy)
+    raise ValueError(f"--channels-policy must be mix, first or a channel index (0, 1, ...), got {policy!r}")
 
 
 # ---- encode ---------------------------------------------------------------------------------------------------
@@ -93,11 +111,13 @@ def _verify_bytes(data: bytes, info: AudioInfo, where: str) -> None:
 
 
 def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, where: str) -> np.ndarray:
-    """Decode only [start, start + count) (soundfile seek); a short read means a damaged file and raises."""
+    """Decode only [start, start + count) (soundfile seek); a short read means a damaged file and raises. The
+    segment's tail is decoded first (tailcheck.seek_tail), so a header that lies about the length costs a seek, not an
+    allocation of `count` samples."""
     try:
         with sf.SoundFile(src) as f:
-            if start:
-                f.seek(start)
+            seek_tail(f, start + count, where)
+            f.seek(start)
             x = f.read(count, dtype=dtype, always_2d=True)
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{where}: {e}") from e
@@ -129,16 +149,24 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
         data = read_audio_bytes(item.audio, storage_options)
         if target.verify_decode:
             _verify_bytes(data, info, item.audio)
+        else:  # still never store a header that lies about its length (the loader would find out mid-epoch)
+            check_tail(data, info, item.audio)
         return data, info
 
     if info.channels != target.channels and target.channels != 1 and info.channels != 1:
         raise AudioError("unsupported_channels", f"{item.audio}: cannot map {info.channels} channels to "
                                                  f"{target.channels} (only downmix to 1 or repeat a mono channel)")
+    pick = channel_index(target.channel_policy) if info.channels > 1 and target.channels == 1 else None
+    if pick is not None and pick >= info.channels:
+        raise AudioError("missing_channel", f"{item.audio}: --channels-policy {target.channel_policy} keeps channel "
+                                            f"{pick}, the file has {info.channels}")
     resample = info.sample_rate_hz != target.sample_rate_hz
-    as_float = resample or (info.channels > 1 and target.channels == 1)
+    as_float = resample or (info.channels > 1 and target.channels == 1 and pick is None)
     with open_audio(item.audio, storage_options) as src:
         x = _read_segment(src, start, count, "float32" if as_float else "int16", item.audio)
-    if info.channels > 1 and target.channels == 1:
+    if pick is not None:
+        x = np.ascontiguousarray(x[:, pick: pick + 1])
+    elif info.channels > 1 and target.channels == 1:
         x = x.mean(axis=1, keepdims=True)
     elif info.channels == 1 and target.channels > 1:
         x = np.repeat(x, target.channels, axis=1)

@@ -14,18 +14,20 @@ choices:
   an outage shorter than the retry budget (default 120 s without progress) costs time only. Errors are sorted by
   `is_transient`: connection refused/reset, timeouts, HTTP 5xx/408/429 are retried; a missing object, refused
   credentials, other 4xx and programming errors are raised at once; a spent budget raises `StorageUnavailable`.
+- Time: one budget per read, of time without progress (storage.clock), covers waiting and retrying alike and is
+  enforced while a request waits (connect, answer, body) on the direct path: a silent or trickling server is cut
+  at the budget with one line naming the URL and the cause. On the s3fs path the budget bounds each call.
+- Credentials: missing or refused ones raise `CredentialsError` at once (never retried), naming what to set.
+  Neither path follows an HTTP redirect, so no signed request reaches another host (storage.noredirect).
 - `iter_range(..., direct_http=True)` (the loader's hot path), `read_bytes` and `open_ranged` with the same flag
   read S3 objects through presigned URLs over plain HTTP connections (shardtrain.s3http): a quarter of s3fs's
   CPU per byte, bytes handed over as they arrive, and no s3fs start-up when the options hold explicit keys.
 """
 from __future__ import annotations
 
-import http.client
+import contextlib
 import logging
 import os
-import random
-import ssl
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,6 +35,8 @@ from typing import Any, Callable, Iterator
 import fsspec
 
 from shardtrain.storage import s3http
+from shardtrain.storage.retry import (RETRY_BUDGET_S, Backoff, CredentialsError, StorageUnavailable,  # noqa: F401
+                                      credentials_error, is_transient, refused_redirect)
 
 log = logging.getLogger(__name__)
 
@@ -45,98 +49,8 @@ _S3_DEFAULTS: dict[str, Any] = {
     "default_fill_cache": False,
 }
 
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
-    FileNotFoundError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-    EOFError,
-    ssl.SSLCertVerificationError,
-)
-"""Storage errors that a retry cannot fix (a missing object, refused credentials, a path that is a folder, a
-server certificate the trust store rejects)."""
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, http.client.HTTPException)
-"""Network errors worth retrying: refused/reset/aborted connections, timeouts, a response cut short."""
-_NETWORK_MODULES = ("aiohttp", "botocore", "aiobotocore", "urllib3", "s3fs")
-RETRY_BUDGET_S = 120.0
-"""Default time a read keeps retrying without receiving a byte: long enough to ride out a server restart or a
-short network partition; past it the read raises StorageUnavailable (the job stops and can resume)."""
-_jitter = random.Random()  # not data: backoff jitter only, so concurrent readers do not retry in lockstep
-
-
-class StorageUnavailable(OSError):
-    """Transient errors kept coming for the whole retry budget: the storage is down or unreachable."""
-
-    def __init__(self, message: str, url: str):
-        super().__init__(message)
-        self.url = url
-
-
-def is_transient(e: BaseException) -> bool:
-    """True for errors a retry can fix (see the module docstring); False for hopeless and programming errors.
-
-    HTTP statuses come from s3http (5xx, 408, 429 transient) or botocore (the same rule on its status code); other
-    OSErrors (s3fs maps unknown S3 errors to OSError(EIO)) count as transient, everything else (TypeError,
-    KeyError, ...) is a bug and never retried."""
-    if isinstance(e, s3http.HTTPStatusError):
-        return e.transient
-    if isinstance(e, PERMANENT_ERRORS):
-        return False
-    if isinstance(e, TRANSIENT_ERRORS):
-        return True
-    status = _http_status(e)
-    if status is not None:
-        return status >= 500 or status in (408, 429)
-    if type(e).__module__.split(".")[0] in _NETWORK_MODULES:
-        return True
-    return isinstance(e, OSError)
-
-
-def _http_status(e: BaseException) -> int | None:
-    """The HTTP status of a botocore ClientError (also when s3fs chained it), else None."""
-    for err in (e, e.__cause__):
-        resp = getattr(err, "response", None)
-        if isinstance(resp, dict):
-            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if isinstance(status, int):
-                return status
-    return None
-
-
-class Backoff:
-    """Jittered exponential backoff for one read under a time budget; `progress()` starts a new streak.
-
-    Each wait is uniform in [0.5, 1] x min(max_backoff_s, backoff_s * 2**k) (k failures in a row), never past
-    the budget's end, so an outage costs at most ~max_backoff_s after the server is back. `retries` (None: no
-    limit) also caps the failures in a row."""
-
-    def __init__(self, url: str, *, budget_s: float = RETRY_BUDGET_S, retries: int | None = None,
-                 backoff_s: float = 0.2, max_backoff_s: float = 5.0):
-        self.url, self.budget_s, self.retries = str(url), budget_s, retries
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.failures, self.since = 0, 0.0
-
-    def progress(self) -> None:
-        self.failures = 0
-
-    def wait(self, e: BaseException, where: str) -> None:
-        """Sleep before the next try after transient error `e`, or raise StorageUnavailable when out of budget."""
-        now = time.monotonic()
-        if self.failures == 0:
-            self.since = now
-        self.failures += 1
-        spent = now - self.since
-        if (self.retries is not None and self.failures > self.retries) or spent >= self.budget_s:
-            tries = f"{self.failures} tries" if self.retries is None else f"{self.retries} retries"
-            raise StorageUnavailable(
-                f"reading {self.url} {where} failed after {tries} over {spent:.0f} s (retry budget "
-                f"{self.budget_s:g} s): {e}; check that the storage endpoint is up and reachable, or raise "
-                f"stream.retry_budget_s to wait longer", self.url) from e
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self.failures - 1)) * _jitter.uniform(0.5, 1.0)
-        delay = max(0.0, min(delay, self.budget_s - spent))
-        log.warning("read %s %s failed (%s); retry %d in %.2fs (%.0f of %g s budget spent)",
-                    self.url, where, e, self.failures, delay, spent, self.budget_s)
-        time.sleep(delay)
+_NO_REDIRECT = "shardtrain.storage.noredirect.NoRedirectSession"
+"""s3fs requests never follow redirects (storage.noredirect): signed headers stay on the configured endpoint."""
 
 
 def _protocol(url: str) -> str:
@@ -183,6 +97,11 @@ def fs_and_path(url: str | os.PathLike, storage_options: dict | None = None) -> 
     if _protocol(url) in ("s3", "s3a"):
         for k, v in _S3_DEFAULTS.items():
             opts.setdefault(k, v)
+        config = dict(opts.get("config_kwargs") or {})
+        if "http_session_cls" not in config:
+            from shardtrain.storage.noredirect import NoRedirectSession
+
+            opts["config_kwargs"] = {**config, "http_session_cls": NoRedirectSession}
     fs, path = fsspec.core.url_to_fs(url, **opts)
     return fs, path
 
@@ -192,22 +111,48 @@ def join(url: str | os.PathLike, name: str) -> str:
     return str(url).rstrip("/") + "/" + name.lstrip("/")
 
 
-def exists(url: str | os.PathLike, storage_options: dict | None = None) -> bool:
+@contextlib.contextmanager
+def _credentials(url: str | os.PathLike):
+    """Missing or refused credentials (CredentialsError) and a refused redirect (PermissionError), however deep in
+    the S3 stack they were raised, leave as the OSErrors they are."""
+    try:
+        yield
+    except CredentialsError:
+        raise
+    except Exception as e:  # noqa: BLE001 - botocore's credential errors are not OSErrors
+        hopeless = credentials_error(e, str(url)) or refused_redirect(e, str(url))
+        if hopeless is None:
+            raise
+        raise hopeless from e
+
+
+def _call(fs: fsspec.AbstractFileSystem, method: str, *args, budget_s: float | None = None, **kw):
+    """`fs.method(*args, **kw)`, bounded by `budget_s` in all on an async filesystem (s3fs: fsspec's `timeout`)."""
+    if budget_s is not None and getattr(fs, "async_impl", False):
+        kw["timeout"] = max(budget_s, 0.05)
+    return getattr(fs, method)(*args, **kw)
+
+
+def exists(url: str | os.PathLike, storage_options: dict | None = None, *, budget_s: float = RETRY_BUDGET_S) -> bool:
     fs, path = fs_and_path(url, storage_options)
-    return fs.exists(path)
+    with _credentials(url):
+        return bool(_call(fs, "exists", path, budget_s=budget_s))
 
 
-def size(url: str | os.PathLike, storage_options: dict | None = None) -> int:
+def size(url: str | os.PathLike, storage_options: dict | None = None, *, budget_s: float = RETRY_BUDGET_S) -> int:
     fs, path = fs_and_path(url, storage_options)
-    return int(fs.size(path))
+    with _credentials(url):
+        return int(_call(fs, "size", path, budget_s=budget_s))
 
 
-def ls_names(url: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
+def ls_names(url: str | os.PathLike, storage_options: dict | None = None, *,
+             budget_s: float = RETRY_BUDGET_S) -> list[str]:
     """Base names directly under `url` (empty when it does not exist). Refreshes s3fs's listing cache."""
     fs, path = fs_and_path(url, storage_options)
     try:
         fs.invalidate_cache(path)
-        entries = fs.ls(path, detail=False)
+        with _credentials(url):
+            entries = _call(fs, "ls", path, detail=False, budget_s=budget_s)
     except FileNotFoundError:
         return []
     return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -224,17 +169,21 @@ def remove(url: str | os.PathLike, storage_options: dict | None = None, *, recur
     """Delete a file (or a folder/prefix with `recursive`); missing is fine."""
     fs, path = fs_and_path(url, storage_options)
     try:
-        fs.rm(path, recursive=recursive)
+        with _credentials(url):
+            fs.rm(path, recursive=recursive)
     except FileNotFoundError:
         pass
 
 
-def read_bytes(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False) -> bytes:
-    """Whole small object (manifest, markers). Large shards go through `read_range`."""
+def read_bytes(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False,
+               budget_s: float = RETRY_BUDGET_S) -> bytes:
+    """Whole small object (manifest, markers), retried under `budget_s` of time without progress. Large shards go
+    through `read_range`."""
     if _direct_s3_key(url, direct_http, storage_options) is not None:
-        return read_range(url, 0, None, storage_options, direct_http=True)
+        return read_range(url, 0, None, storage_options, direct_http=True, budget_s=budget_s)
     fs, path = fs_and_path(url, storage_options)
-    return fs.cat_file(path)
+    backoff = Backoff(str(url), budget_s=budget_s)
+    return _with_retry(lambda: _call(fs, "cat_file", path, budget_s=backoff.clock.remaining()), url, backoff)
 
 
 def atomic_write_bytes(url: str | os.PathLike, data: bytes, storage_options: dict | None = None) -> None:
@@ -258,7 +207,8 @@ def atomic_write_bytes(url: str | os.PathLike, data: bytes, storage_options: dic
             if os.path.exists(tmp):
                 os.unlink(tmp)
     else:
-        fs.pipe_file(path, data)
+        with _credentials(url):
+            fs.pipe_file(path, data)
         fs.invalidate_cache(path)
 
 
@@ -274,7 +224,8 @@ def commit_local_file(tmp_path: str | os.PathLike, url: str | os.PathLike, stora
         os.replace(tmp_path, path)
         return
     try:
-        fs.put_file(str(tmp_path), path)
+        with _credentials(url):
+            fs.put_file(str(tmp_path), path)
         fs.invalidate_cache(path)
     finally:
         Path(tmp_path).unlink(missing_ok=True)
@@ -283,20 +234,24 @@ def commit_local_file(tmp_path: str | os.PathLike, url: str | os.PathLike, stora
 def _fetcher(url: str | os.PathLike, end: int | None, storage_options: dict | None, direct_http: bool,
              backoff: Backoff) -> tuple[Callable[[int, int], Iterator[bytes]], int | None]:
     """(fetch(a, b) -> pieces of bytes [a, b), end): direct presigned HTTP for s3:// when allowed (end may stay
-    None: the responses say where the object ends), else fsspec `cat_file` (end from the object's size)."""
+    None: the responses say where the object ends), else fsspec `cat_file` (end from the object's size).
+    Both run under `backoff.clock`: s3http watches every wait; an s3fs call is bounded by the time left."""
     key = _direct_s3_key(url, direct_http, storage_options)
+    clock = backoff.clock
     if key is not None:
         sign_with = _s3fs_factory(url, storage_options)
 
         def fetch_http(a: int, b: int) -> Iterator[bytes]:
-            return s3http.iter_range(key, storage_options, sign_with, a, b)
+            return s3http.iter_range(key, storage_options, sign_with, a, b, clock)
         return fetch_http, end
     fs, path = fs_and_path(url, storage_options)
     if end is None:
-        end = _with_retry(lambda: int(fs.size(path)), url, backoff)
+        end = _with_retry(lambda: int(_call(fs, "size", path, budget_s=clock.remaining())), url, backoff)
 
     def fetch_fs(a: int, b: int) -> Iterator[bytes]:
-        piece = fs.cat_file(path, start=a, end=b)
+        piece = _call(fs, "cat_file", path, start=a, end=b, budget_s=clock.remaining())
+        if piece:
+            clock.done()
         return iter((piece,) if piece else ())
     return fetch_fs, end
 
@@ -317,12 +272,13 @@ def iter_range(
 ) -> Iterator[bytes]:
     """Bytes `[start, end)` of `url` (to the end of the object when `end` is None), a piece at a time.
 
-    Each request covers up to `piece_bytes`. A transient error (`is_transient`) is retried with jittered
-    exponential backoff (`Backoff`) for up to `budget_s` seconds without a byte received (and at most `retries`
-    times in a row, when given), resuming at the first byte not yet delivered; the streak resets whenever bytes
-    arrive. So a dropped connection costs at most one piece of re-transfer, an outage only its length, and never
-    a lost or duplicated byte. Hopeless errors (404, 403, other 4xx) and programming errors raise at once; a
-    spent budget raises StorageUnavailable. 8 MB pieces keep the per-request overhead (~1-5 ms on loopback S3)
+    Each request covers up to `piece_bytes`. The read may go `budget_s` seconds without progress (storage.clock:
+    64 KiB received or a response completed), waiting or retrying alike; a transient error (`is_transient`) is
+    retried with jittered exponential backoff (`Backoff`, at most `retries` times in a row, when given), resuming
+    at the first byte not yet delivered. So a dropped connection costs at most one piece of re-transfer, an
+    outage only its length, and never a lost or duplicated byte. Hopeless errors (404, 403, other 4xx) and programming errors raise at once; a
+    spent budget raises StorageUnavailable naming the cause (refused, stall, trickle, the last error); missing or
+    refused credentials raise CredentialsError. 8 MB pieces keep the per-request overhead (~1-5 ms on loopback S3)
     near 1% of transfer time. An object shorter than `end` raises EOFError, or with `allow_short` just ends (a
     truncated shard keeps its head). `direct_http` reads `s3://` objects through presigned URLs
     (shardtrain.s3http) and yields each request's bytes as they arrive (up to 1 MB at a time).
@@ -339,10 +295,12 @@ def iter_range(
             for piece in fetch(pos, stop):
                 pos += len(piece)
                 got += len(piece)
-                backoff.progress()
                 yield piece
         except Exception as e:  # noqa: BLE001 - network stacks raise many types; is_transient sorts them
             if not is_transient(e):
+                cred = credentials_error(e, str(url))
+                if cred is not None:
+                    raise cred from e
                 raise
             backoff.wait(e, f"at byte {pos} of [{start}, {end if end is not None else 'end'})")
             continue
@@ -360,7 +318,8 @@ def presign(urls: list[str], storage_options: dict | None = None) -> None:
     for url in urls:
         key = _direct_s3_key(url, True, storage_options)
         if key is not None:
-            s3http.presigned(key, storage_options, _s3fs_factory(url, storage_options))
+            with _credentials(url):
+                s3http.presigned(key, storage_options, _s3fs_factory(url, storage_options))
 
 
 def open_ranged(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False,
@@ -373,10 +332,11 @@ def open_ranged(url: str | os.PathLike, storage_options: dict | None = None, *, 
                               backoff_s=backoff_s)
 
         backoff = Backoff(str(url), budget_s=budget_s, retries=retries, backoff_s=backoff_s)
-        return _with_retry(lambda: s3http.RangeFile(key, storage_options, _s3fs_factory(url, storage_options), block),
-                           url, backoff)
+        return _with_retry(lambda: s3http.RangeFile(key, storage_options, _s3fs_factory(url, storage_options), block,
+                                                    clock=backoff.clock), url, backoff)
     fs, path = fs_and_path(url, storage_options)
-    return fs.open(path, "rb")
+    with _credentials(url):
+        return fs.open(path, "rb")
 
 
 def read_range(url: str | os.PathLike, start: int = 0, end: int | None = None,
@@ -390,8 +350,9 @@ def _with_retry(fn, url, backoff: Backoff):
     """`fn()`, retried on transient errors under `backoff`'s budget (hopeless and programming errors raise)."""
     while True:
         try:
-            return fn()
+            with _credentials(url):
+                return fn()
         except Exception as e:  # noqa: BLE001 - is_transient sorts them
             if not is_transient(e):
                 raise
-            backoff.wait(e, "(size/footer)")
+            backoff.wait(e, "(size/footer/whole object)")

@@ -4,6 +4,8 @@
     redact_url("https://user:pw@host/x?token=abc")            -> "https://user:***@host/x?token=***"
     RedactingFilter (on the log handlers, cli.init_logging)  -> botocore/s3fs debug lines without access key
                                                                 ids, signatures, tokens or registered secrets
+    StorageOptions({...})                                     -> a dict whose repr/str mask secrets, so any object
+                                                                holding it (configs, locks, datasets) prints clean
 
 Why a handler filter: with `-v`, botocore logs request headers (`Authorization: AWS4-HMAC-SHA256
 Credential=<access key id>/..., Signature=<hex>`), presigned URLs (`X-Amz-Credential=...&X-Amz-Signature=...`)
@@ -92,6 +94,25 @@ def redact_text(text: str) -> str:
         if s in text:
             text = text.replace(s, MASK)
     return text
+
+
+class StorageOptions(dict):
+    """Storage options whose repr and str mask secret-looking values (`redact_options`); otherwise a plain dict.
+
+    Why: configs, locks and datasets hold the options, and a dataclass or an error message that shows its fields
+    would print the keys. Only the top level is wrapped: `**options` unpacks to a plain dict, so fsspec's instance
+    cache (which tokenizes the repr of its kwargs' values) and s3fs see the real values. Costs nothing on use.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(redact_options(dict(self)))
+
+    __str__ = __repr__
+
+    def __reduce__(self):  # pickles (to workers) as itself, with the real values
+        return (StorageOptions, (dict(self),))
 
 
 class RedactingFilter(logging.Filter):

@@ -19,11 +19,18 @@ Signing:
   botocore also reads) or `verify=False` is honoured by the TLS context.
 
 Errors: 404 -> FileNotFoundError, 403 (after one re-sign) -> PermissionError, a body cut short -> ConnectionError,
-other statuses -> HTTPStatusError (an OSError carrying `.status`; 5xx, 408 and 429 are transient, other 4xx are
-not). Retrying is the caller's job (`storage.iter_range` resumes at the byte reached).
+a redirect -> HTTPStatusError, never followed (a presigned URL carries credentials; an S3 endpoint has no reason to
+send a client to another host), other statuses -> HTTPStatusError (an OSError carrying `.status`; 5xx, 408 and
+429 are transient, other 4xx are not). Retrying is the caller's job (`storage.iter_range` resumes at the byte
+reached).
+
+Time: every request runs under the caller's ProgressClock (storage.clock): connecting is bounded by the time left,
+and while the request waits for its answer or its body the watchdog cuts it at the deadline, so a silent or
+trickling server ends in a TimeoutError that says which (`clock.describe()`), within the budget.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import http.client
@@ -37,13 +44,15 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+
+from shardtrain.storage.clock import ProgressClock
 
 log = logging.getLogger(__name__)
 
 HTTP_TIMEOUT_S = 60.0
-"""Connect/read timeout; a stalled connection then fails and is retried at the byte reached."""
+"""Time without progress of a request made without a caller's clock (the storage layer always passes one)."""
 PRESIGN_S = 3600
 """Lifetime of a presigned URL; cached URLs are re-signed 10 minutes before they expire."""
 SUB_PIECE = 1 << 20
@@ -80,12 +89,13 @@ class HTTPStatusError(OSError):
 # ---- signing ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class StaticCredentials:
-    """What local signing needs; built only from explicit storage options (no environment, no profiles)."""
+    """What local signing needs; built only from explicit storage options (no environment, no profiles).
+    Its repr shows the endpoint and region only."""
 
     endpoint: str
-    key: str
-    secret: str
-    token: str | None = None
+    key: str = field(repr=False)
+    secret: str = field(repr=False)
+    token: str | None = field(default=None, repr=False)
     region: str = "us-east-1"
 
 
@@ -215,10 +225,9 @@ def _connection(parts: urllib.parse.SplitResult, storage_options: dict | None = 
     conn = pool.get(key)
     if conn is None:
         if parts.scheme == "https":
-            conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=HTTP_TIMEOUT_S,
-                                               context=_tls_context(storage_options))
+            conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, context=_tls_context(storage_options))
         else:
-            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=HTTP_TIMEOUT_S)
+            conn = http.client.HTTPConnection(parts.hostname or "", parts.port)
         pool[key] = conn
     return conn
 
@@ -232,9 +241,11 @@ def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> 
     conn.close()
 
 
-def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_value: str):
+def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_value: str, clock: ProgressClock):
     """(parts, conn, response) of a GET with `Range: range_value`; handles stale keep-alive and refused URLs.
 
+    Runs under `clock`: connecting may take the time left, then the request is watched (the watchdog cuts it at
+    the deadline) until the caller's `clock.unwatch()`; a cut raises TimeoutError naming stall or trickle.
     A 403 (or a 400, which a wrong region gives) is answered by signing again (the cached URL may have expired);
     a second one on a fresh URL makes local signing stop for these options (`_refused`) and s3fs signs the last
     try. A third is returned.
@@ -245,21 +256,35 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
         conn = _connection(parts, storage_options)
         reused = conn.sock is not None
         try:
+            if not reused:
+                clock.phase = "connect"
+                conn.timeout = max(0.05, min(clock.remaining(), clock.budget_s))
+                conn.connect()
+            conn.sock.settimeout(clock.budget_s)  # a fallback only: the watchdog enforces the deadline
+            clock.phase = "answer"
+            clock.watch(conn)
+            conn.response_class = functools.partial(_ClockedResponse, clock=clock)  # type: ignore[assignment]
             conn.request("GET", f"{parts.path}?{parts.query}", headers={"Range": range_value})
             resp = conn.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            _raise_if_expired(clock, ConnectionError("cut by the watchdog"))  # headers cut short look complete
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
             _drop(parts, conn)
+            _raise_if_expired(clock, e)
             if reused and not reconnected:  # the server closed an idle keep-alive connection: reconnect at once
                 reconnected = True
                 continue
+            clock.unwatch()
             raise
-        except BaseException:
+        except BaseException as e:
             _drop(parts, conn)
+            _raise_if_expired(clock, e)
+            clock.unwatch()
             raise
         if resp.status in (400, 403) and resigns < 2:
             body = resp.read()
             if resp.status == 400 and not _SIGNING_400.search(body):  # a bad request, not a bad signature
                 _drop(parts, conn)
+                clock.unwatch()
                 raise HTTPStatusError(f"s3://{path} {range_value}: HTTP 400 {resp.reason}: "
                                       f"{_error_text(body.decode('utf-8', 'replace'))}", 400)
             if resigns == 1:
@@ -267,6 +292,45 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
             resigns += 1
             continue
         return parts, conn, resp
+
+
+class _ClockedIO(io.RawIOBase):
+    """The socket's reader, telling the clock every byte that arrives (status line and headers included, so a
+    trickle of headers is told from silence). One Python call per recv, like socket.SocketIO itself."""
+
+    def __init__(self, raw: Any, clock: ProgressClock):
+        super().__init__()
+        self.raw, self.clock = raw, clock
+
+    def readinto(self, b) -> int:
+        n = self.raw.readinto(b)
+        if n:
+            self.clock.got(n)
+        return n
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+class _ClockedResponse(http.client.HTTPResponse):
+    """An HTTPResponse whose socket reads go through `_ClockedIO` (set per request as the connection's
+    response_class)."""
+
+    def __init__(self, sock, debuglevel: int = 0, method: str | None = None, url: str | None = None, *,
+                 clock: ProgressClock):
+        super().__init__(sock, debuglevel, method, url)
+        self.fp = io.BufferedReader(_ClockedIO(self.fp.detach(), clock))
+
+
+def _raise_if_expired(clock: ProgressClock, e: BaseException) -> None:
+    """After the watchdog cut a request: a TimeoutError that says why (stall or trickle), not a reset."""
+    if clock.expired:
+        clock.unwatch()
+        raise TimeoutError(clock.describe()) from e
 
 
 _SIGNING_400 = re.compile(rb"AuthorizationHeaderMalformed|AuthorizationQueryParametersError|region", re.I)
@@ -281,6 +345,15 @@ def _raise_status(path: str, what: str, parts, conn, resp) -> None:
         raise FileNotFoundError(msg)
     if resp.status == 403:
         raise PermissionError(msg)
+    if 300 <= resp.status < 400:
+        from shardtrain.storage.redact import redact_url
+
+        where = urllib.parse.urlsplit(resp.getheader("Location") or "")
+        there = "another host" if where.netloc and where.netloc != parts.netloc else "elsewhere"
+        raise HTTPStatusError(f"s3://{path}: the endpoint redirected to {there} ({resp.status}, Location "
+                              f"{redact_url(resp.getheader('Location') or '-')}); not followed, so no signed "
+                              f"request leaves the configured endpoint: set the endpoint to the final host",
+                              resp.status)
     raise HTTPStatusError(msg, resp.status)
 
 
@@ -294,19 +367,24 @@ def _error_text(body: str) -> str:
 
 # ---- reads ------------------------------------------------------------------------------------------------
 def iter_range(path: str, storage_options: dict | None, fs_factory: FsFactory, start: int,
-               stop: int | None) -> Iterator[bytes]:
+               stop: int | None, clock: ProgressClock | None = None) -> Iterator[bytes]:
     """Bytes [start, stop) of "bucket/key" (to the end when `stop` is None) by one ranged GET, as they arrive.
 
     Yields nothing when the object ends at or before `start` (416), fewer bytes when it ends before `stop`.
+    `clock` (default: HTTP_TIMEOUT_S without progress) bounds every wait; the time the consumer holds a piece
+    is not counted.
     """
+    clock = clock or ProgressClock(f"s3://{path}", HTTP_TIMEOUT_S)
     rng = f"bytes={start}-" if stop is None else f"bytes={start}-{stop - 1}"
-    parts, conn, resp = _get(path, storage_options, fs_factory, rng)
+    parts, conn, resp = _get(path, storage_options, fs_factory, rng, clock)
     try:
         if resp.status == 416:
             resp.read()
+            clock.done()
             return
         if resp.status != 206 and not (resp.status == 200 and start == 0):
             _raise_status(path, rng, parts, conn, resp)
+        clock.phase = "body"
         left = resp.length if stop is None or resp.length is None else min(resp.length, stop - start)
         while left is None or left > 0:  # read1: what the socket has, so a cut loses no byte already received
             piece = resp.read1(SUB_PIECE if left is None else min(SUB_PIECE, left))
@@ -314,34 +392,50 @@ def iter_range(path: str, storage_options: dict | None, fs_factory: FsFactory, s
                 break
             if left is not None:
                 left -= len(piece)
+            held = clock.hold()
             yield piece
+            clock.resume(held)
+        _raise_if_expired(clock, ConnectionError("cut by the watchdog"))
         if resp.length:  # bytes announced but not read: cut short, or a 200 with more than we need
             _drop(parts, conn)
             if left:
                 raise ConnectionError(f"s3://{path}: connection closed {left} bytes before the end of {rng}")
         else:
             resp.read()  # marks the response done (read1 does not) so the keep-alive connection takes the next GET
-    except BaseException:
+        clock.done()
+    except BaseException as e:
         _drop(parts, conn)
+        if not isinstance(e, GeneratorExit):
+            _raise_if_expired(clock, e)
         raise
+    finally:
+        clock.unwatch()
 
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 
-def read_tail(path: str, storage_options: dict | None, fs_factory: FsFactory, n: int) -> tuple[bytes, int]:
+def read_tail(path: str, storage_options: dict | None, fs_factory: FsFactory, n: int,
+              clock: ProgressClock | None = None) -> tuple[bytes, int]:
     """(last `n` bytes, object size) in one request: how a Parquet reader starts (the footer is at the end)."""
-    parts, conn, resp = _get(path, storage_options, fs_factory, f"bytes=-{n}")
+    clock = clock or ProgressClock(f"s3://{path}", HTTP_TIMEOUT_S)
+    parts, conn, resp = _get(path, storage_options, fs_factory, f"bytes=-{n}", clock)
     try:
         if resp.status == 416:  # an empty object
             resp.read()
             return b"", 0
         if resp.status not in (200, 206):
             _raise_status(path, f"last {n} bytes", parts, conn, resp)
+        clock.phase = "body"
         data = resp.read()
-    except BaseException:
+        _raise_if_expired(clock, ConnectionError("cut by the watchdog"))
+        clock.done()
+    except BaseException as e:
         _drop(parts, conn)
+        _raise_if_expired(clock, e)
         raise
+    finally:
+        clock.unwatch()
     if resp.status == 200:
         return data[-n:], len(data)
     m = _CONTENT_RANGE.match(resp.getheader("Content-Range", ""))
@@ -355,11 +449,11 @@ class RangeFile(io.RawIOBase):
     footer and the projected column chunks only (a few requests, not the whole object)."""
 
     def __init__(self, path: str, storage_options: dict | None, fs_factory: FsFactory, read_block: Callable,
-                 block_bytes: int = 1 << 20):
+                 block_bytes: int = 1 << 20, clock: ProgressClock | None = None):
         super().__init__()
         self._read_block = read_block
         self.block_bytes = block_bytes
-        tail, self.size = read_tail(path, storage_options, fs_factory, block_bytes)
+        tail, self.size = read_tail(path, storage_options, fs_factory, block_bytes, clock)
         self._cache = (self.size - len(tail), tail)
         self.pos = 0
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from shardtrain.train.augment import AugmentConfig
 from shardtrain.train.features import FeatureConfig
 from shardtrain.train.model import ModelConfig
+from shardtrain.train.normalize import TextNormConfig
 from shardtrain.train.valsets import val_sets
 from shardtrain.load.config import StreamConfig
 
@@ -143,3 +144,6 @@ class RunConfig:
     features: FeatureConfig = field(default_factory=FeatureConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    text: TextNormConfig = field(default_factory=TextNormConfig)
+    """Transcript normaliser for targets, validation and scoring (train/normalize.py); the default is whitespace
+    only (what a stored config without this section meant), the shipped pipelines use normalize.SPEECH."""

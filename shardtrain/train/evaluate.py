@@ -9,7 +9,8 @@ Several validation sets (valsets.py) are evaluated one after the other, each ove
 stripe). Each reports its own loss / CER / WER; the overall `val_loss`, `cer`, `wer` (best-checkpoint selection
 reads val_loss) are pooled over every set: total loss / total target tokens, total character edits / total
 reference characters, total word edits / total reference words. So a set weighs by its size (in tokens, characters,
-words), exactly as if the sets were one set; with one set they are that set's figures.
+words), exactly as if the sets were one set; with one set they are that set's figures. References and hypotheses
+are compared after the tokenizer's normaliser (train/normalize.py), the one its targets were encoded with.
 """
 from __future__ import annotations
 
@@ -58,13 +59,13 @@ def _evaluate_set(model: torch.nn.Module, cfg: RunConfig, vs: ValSet, world: Wor
             with autocast(tc, device):
                 loss_sum, outputs, out_lengths = model(feats, feat_lengths, targets, target_lengths)
             hyps = [tok.decode(ids) for ids in cast(SpeechModel, model).decode(outputs, out_lengths)]
-            for k, v in error_counts(batch.texts, hyps).items():
+            for k, v in error_counts(batch.texts, hyps, tok.normalizer).items():
                 sums[k] += v
             sums["loss"] += float(loss_sum)
             sums["tokens"] += float(target_lengths.sum())
             sums["utts"] += len(batch)
             sums["audio_s"] += float(batch.durations_s.sum())
-            examples.extend(zip(batch.texts, hyps))
+            examples.extend(zip(map(tok.normalizer.apply, batch.texts), hyps))  # the reference as scored
     finally:
         getattr(batches, "close", lambda: None)()  # stops the loader's prefetch after an early break
     sums["skipped"] = float(loader.stats().get("skipped", 0))
@@ -78,7 +79,7 @@ def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmente
 
     Uses the unwrapped model (no DDP collectives) and features without augmentation. Returns {val_loss, cer, wer,
     val_chars, examples, sets: {name: {SET_KEYS..., examples}}}; examples are this rank's first `val_examples`
-    (reference, hypothesis) pairs of each set.
+    (normalised reference, hypothesis) pairs of each set.
     """
     sets = val_sets(cfg.train)
     local: list[float] = []

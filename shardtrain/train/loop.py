@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from shardtrain import faults, storage
+from shardtrain.format.safe import printable
 
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train import elastic
@@ -59,7 +60,8 @@ from shardtrain.train.qat import enable_qat
 from shardtrain.load.loader import build_loader
 from shardtrain.load.reader import StreamError
 from shardtrain.train.text import CharVocab, SentencePieceVocab, Tokenizer, tokenizer_from_json
-from shardtrain.train.valsets import check_val_sets, val_sets
+from shardtrain.train.normalize import TextNormConfig
+from shardtrain.train.valsets import check_val_sets, val_sets, warn_missing_chars
 from shardtrain.world import World
 from shardtrain.train.config import RunConfig, TrainConfig, data_sources
 
@@ -91,16 +93,16 @@ def _resolve_device(cfg: TrainConfig, world: World) -> torch.device:
     return torch.device("cuda", world.local_rank)
 
 
-def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | None):
+def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | None, norm: TextNormConfig):
     if cfg.tokenizer == "sentencepiece":
-        return SentencePieceVocab(cfg.sentencepiece_model)
+        return SentencePieceVocab(cfg.sentencepiece_model, norm)
     # rank 0 reads the text column once and broadcasts the character list (not every rank re-reading it)
     urls = (cfg.data_url, *cfg.mix_urls)
-    chars = [sorted(set().union(*(CharVocab.from_index(u, storage_options).chars for u in urls)))
+    chars = [sorted(set().union(*(CharVocab.from_index(u, storage_options, norm).chars for u in urls)))
              if world.is_main else None]
     if world.world_size > 1:
         dist.broadcast_object_list(chars, src=0)
-    return CharVocab(chars[0] or [])
+    return CharVocab(chars[0] or [], norm)
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -183,7 +185,9 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
     if resume and state is None:
         log.info("--resume: no checkpoint in %s yet; starting from scratch", ckpt_dir)
 
-    tok = tokenizer_from_json(state["main"]["tokenizer"]) if state else _build_tokenizer(tc, world, storage_options)
+    tok = tokenizer_from_json(state["main"]["tokenizer"]) if state else _build_tokenizer(tc, world, storage_options, cfg.text)
+    if world.is_main:
+        warn_missing_chars(val_sets(tc), tok, storage_options)  # once, at start: what validation targets will lack
     torch.manual_seed(tc.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
     raw_model = build_model(cfg.model, len(tok), cfg.features.n_mels)
     if tc.qat:  # fake-quant Linear layers (train/qat.py); parameters and state_dict keys are unchanged
@@ -435,7 +439,7 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     for name, s in res["sets"].items():
         for ref, hyp in s["examples"]:
             head = f"step {run.step}  {name} "
-            log.info("%sref: %s\n%shyp: %s", head, ref, " " * len(head), hyp)
+            log.info("%sref: %s\n%shyp: %s", head, printable(ref), " " * len(head), printable(hyp))
             metrics.text(f"val/{name}/example", f"REF: {ref}  \nHYP: {hyp}", run.step)
         log.info("step %d: %s  val_loss %.4f  CER %.2f%%  WER %.2f%%  (%d utterances, %.0f s)", run.step, name,
                  s["loss"], 100 * s["cer"], 100 * s["wer"], s["utts"], s["audio_s"])

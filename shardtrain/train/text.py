@@ -6,10 +6,12 @@
     (hyps, refs) -> edit distances on characters (CER) and whitespace words (WER), through rapidfuzz (C++)
 
 The character vocabulary is built from the training index (one column read, no audio), so a new corpus
-needs no tokenizer step. Characters are kept as they are (no case folding): a corpus in capitals, such as
-LibriSpeech, decodes in capitals. Characters missing from the vocabulary (only possible in validation text) are
-dropped from targets and counted. SentencePiece is optional: it is used only when asked for, and raises a clear
-error when the package is not installed.
+needs no tokenizer step. Every tokenizer carries the run's text normaliser (train/normalize.py: Unicode form, case,
+punctuation, whitespace) and applies it in `encode` and when building the vocabulary; `to_json` stores it, so a
+checkpoint decodes and scores with the normaliser it was trained with (none stored: the legacy whitespace-only one).
+Characters missing from the vocabulary (only possible in validation text) are dropped from targets and counted;
+training warns about them once per validation set at start (valsets.warn_missing_chars). SentencePiece is optional:
+it is used only when asked for, and raises a clear error when the package is not installed.
 """
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ from typing import Protocol, Sequence
 import torch
 from rapidfuzz.distance import Levenshtein
 
+from shardtrain.train.normalize import TextNormConfig
+
 log = logging.getLogger(__name__)
 
 BLANK = 0
 
 
 def normalize_text(text: str) -> str:
-    """Collapse runs of whitespace and strip the ends; the only normalisation applied to transcripts."""
+    """Collapse runs of whitespace and strip the ends (TextNormConfig()'s whole effect); "raw" scores use it."""
     return " ".join(text.split())
 
 
@@ -36,39 +40,44 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
     def __len__(self) -> int: ...
     def to_json(self) -> dict: ...
+    @property
+    def normalizer(self) -> TextNormConfig: ...
 
 
 class CharVocab:
     """Characters to ids: 0 = CTC blank, 1.. = the sorted characters seen in the training transcripts."""
 
-    def __init__(self, chars: Sequence[str]) -> None:
+    def __init__(self, chars: Sequence[str], normalizer: TextNormConfig | None = None) -> None:
         if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
             raise ValueError("CharVocab needs distinct single characters")
+        self.normalizer = normalizer or TextNormConfig()
         self.chars = list(chars)
         self._ids = {c: i + 1 for i, c in enumerate(self.chars)}
         self.unknown_chars = 0
         """Characters dropped by `encode` because they were not in the vocabulary (running count)."""
 
     @classmethod
-    def from_texts(cls, texts: Sequence[str]) -> "CharVocab":
+    def from_texts(cls, texts: Sequence[str], normalizer: TextNormConfig | None = None) -> "CharVocab":
+        norm = normalizer or TextNormConfig()
         seen: set[str] = set()
         for t in texts:
-            seen.update(normalize_text(t))
-        return cls(sorted(seen))
+            seen.update(norm.apply(t or ""))
+        return cls(sorted(seen), norm)
 
     @classmethod
-    def from_index(cls, url: str, storage_options: dict | None = None) -> "CharVocab":
+    def from_index(cls, url: str, storage_options: dict | None = None,
+                   normalizer: TextNormConfig | None = None) -> "CharVocab":
         """Read only the text column of the dataset's index.parquet (no audio is opened)."""
         from shardtrain.format.manifest import open_dataset
 
         table = open_dataset(url, storage_options).read_index(columns=["text"])
-        vocab = cls.from_texts(table.column("text").to_pylist())
+        vocab = cls.from_texts(table.column("text").to_pylist(), normalizer)
         log.info("character vocabulary: %d symbols + blank from %s", len(vocab.chars), url)
         return vocab
 
     def encode(self, text: str) -> list[int]:
         out = []
-        for c in normalize_text(text):
+        for c in self.normalizer.apply(text):
             i = self._ids.get(c)
             if i is None:
                 self.unknown_chars += 1
@@ -83,13 +92,14 @@ class CharVocab:
         return len(self.chars) + 1
 
     def to_json(self) -> dict:
-        return {"kind": "char", "chars": self.chars}
+        return {"kind": "char", "chars": self.chars, "normalizer": self.normalizer.to_json()}
 
 
 class SentencePieceVocab:
     """A trained SentencePiece model; its ids are shifted by one so 0 stays the CTC blank."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, normalizer: TextNormConfig | None = None) -> None:
+        self.normalizer = normalizer or TextNormConfig()
         try:
             import sentencepiece as spm
         except ImportError as e:  # optional dependency
@@ -101,7 +111,7 @@ class SentencePieceVocab:
         self._sp = spm.SentencePieceProcessor(model_file=model_path)
 
     def encode(self, text: str) -> list[int]:
-        return [i + 1 for i in self._sp.encode(normalize_text(text))]
+        return [i + 1 for i in self._sp.encode(self.normalizer.apply(text))]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([i - 1 for i in ids if i > 0])
@@ -110,15 +120,17 @@ class SentencePieceVocab:
         return self._sp.get_piece_size() + 1
 
     def to_json(self) -> dict:
-        return {"kind": "sentencepiece", "model_path": self.model_path}
+        return {"kind": "sentencepiece", "model_path": self.model_path, "normalizer": self.normalizer.to_json()}
 
 
 def tokenizer_from_json(d: dict) -> Tokenizer:
-    """Rebuild the tokenizer stored in a checkpoint, so a resumed run keeps the exact same ids."""
+    """Rebuild the tokenizer stored in a checkpoint, so a resumed run keeps the exact same ids and normaliser
+    (a tokenizer stored before normalisers existed gets the legacy whitespace-only one it was trained with)."""
+    norm = TextNormConfig.from_json(d.get("normalizer"))
     if d["kind"] == "char":
-        return CharVocab(d["chars"])
+        return CharVocab(d["chars"], norm)
     if d["kind"] == "sentencepiece":
-        return SentencePieceVocab(d["model_path"])
+        return SentencePieceVocab(d["model_path"], norm)
     raise ValueError(f"unknown tokenizer kind {d['kind']!r}")
 
 
@@ -168,14 +180,18 @@ def edit_ops(ref: Sequence, hyp: Sequence) -> dict[str, int]:
 _OP_NAMES = {"replace": "sub", "insert": "ins", "delete": "del"}
 
 
-def error_counts(refs: Sequence[str], hyps: Sequence[str]) -> dict[str, int]:
+def error_counts(refs: Sequence[str], hyps: Sequence[str],
+                 normalizer: TextNormConfig | None = None) -> dict[str, int]:
     """Summed edit distances and reference lengths, so ranks can all-reduce them before dividing.
 
-    CER counts characters of the normalised text (spaces included); WER counts whitespace-separated words.
+    Both sides pass through `normalizer` (the tokenizer's: the same one its targets were encoded with; None = the
+    whitespace-only default). CER counts characters of the normalised text (spaces included); WER counts
+    whitespace-separated words.
     """
+    norm = normalizer or TextNormConfig()
     c = {"char_errors": 0, "chars": 0, "word_errors": 0, "words": 0}
     for ref, hyp in zip(refs, hyps):
-        ref, hyp = normalize_text(ref), normalize_text(hyp)
+        ref, hyp = norm.apply(ref), norm.apply(hyp)
         c["char_errors"] += edit_distance(ref, hyp)
         c["chars"] += len(ref)
         c["word_errors"] += edit_distance(ref.split(), hyp.split())

@@ -3,6 +3,8 @@
     TrainConfig.val_data_url + val_extra_urls (repeated `--val-data [NAME=]URL`) + val_names
       -> val_sets(tc) -> (ValSet(name, url), ...)   names unique, fixed for the whole run (metric keys use them)
       -> check_val_sets(sets, storage_options)      reads each manifest.json (a few KB) before any training step
+      -> warn_missing_chars(sets, tok, ...)          reads each index's text column once: one warning per set
+                                                     naming the characters its normalised targets will lose
 
 A name not given is derived from the URL: its last path component (`s3://b/librispeech/dev-clean` -> `dev-clean`),
 with characters other than letters, digits, `_`, `.` and `-` replaced by `_`. When derived names clash, each
@@ -12,9 +14,12 @@ twice, or a given name twice, is refused: it is a typo, not two sets.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Protocol, Sequence
+
+log = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 """A validation set name: it becomes part of metric keys (`val/<name>/cer`) and TensorBoard tags."""
@@ -108,3 +113,32 @@ def check_val_sets(sets: Sequence[ValSet], storage_options: dict | None) -> None
             reason = " ".join(str(e).split()) or type(e).__name__
             raise DatasetError(f"validation set {s.name!r} cannot be opened: {s.url}: {reason} "
                                "(fix or drop that --val-data)") from None
+
+
+def warn_missing_chars(sets: Sequence[ValSet], tok, storage_options: dict | None) -> dict[str, dict[str, int]]:
+    """Log one warning per validation set whose normalised transcripts hold characters the character vocabulary
+    lacks (they are dropped from its targets and cost CER), naming them with counts; {set name: {char: count}}.
+
+    Cost: the text column of each set's index (no audio), once at start. Skipped for tokenizers without `chars`
+    (SentencePiece maps unknown text to its own unknown piece). A set that cannot be read is left to the check above.
+    """
+    from shardtrain.format.manifest import DatasetError, open_dataset
+    from shardtrain.train.normalize import describe_chars, missing_chars
+
+    chars = getattr(tok, "chars", None)
+    out: dict[str, dict[str, int]] = {}
+    if chars is None:
+        return out
+    for s in sets:
+        try:
+            texts = open_dataset(s.url, storage_options).read_index(columns=["text"]).column("text").to_pylist()
+        except (DatasetError, OSError, ValueError) as e:
+            log.warning("validation set %r: cannot read its transcripts to check the vocabulary: %s", s.name, e)
+            continue
+        missing = missing_chars(texts, set(chars), tok.normalizer)
+        if missing:
+            out[s.name] = missing
+            log.warning("validation set %r: %d character(s) of its transcripts are not in the training vocabulary "
+                        "and are dropped from its targets (each costs CER): %s", s.name, len(missing),
+                        describe_chars(missing))
+    return out

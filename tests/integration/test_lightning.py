@@ -81,7 +81,7 @@ def test_lightning_ddp_resumes_mid_epoch_with_the_same_batches_and_losses(datase
     steps = build_loader(dataset, world=World(world_size=2), seed=0, cfg=StreamConfig(bucket=BUCKET)).steps_per_epoch()
     assert steps > 6  # so the checkpoint at step 3 and the steps after it are mid-epoch
     full = fit(tmp_path, dataset, str(tmp_path / "a"), 6)
-    ckpt = tmp_path / "a" / "checkpoints" / "step-step=3.ckpt"
+    ckpt = tmp_path / "a" / "checkpoints" / "step=3.ckpt"
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert saved["ShardDataModule"]["loader"]["epoch"] == 0 and saved["ShardDataModule"]["loader"]["step"] == 3
     resumed = fit(tmp_path, dataset, str(tmp_path / "b"), 6, str(ckpt))

@@ -1,0 +1,91 @@
+"""Issue 22 item 4: a wrong `--data`/DATASET gets the advice that fixes it, and one exit-status convention holds
+across commands (2 usage or invalid input, 1 runtime failure, 130 interrupted), documented in --help.
+
+Every case runs the real CLI in a subprocess, on real folders: a path that does not exist, a corpus of FLAC +
+txt that was never packed, and a pack killed half-way (the fault seam kills the worker writing shard 1).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtrain import faults
+from shardtrain.testing.corpus import make_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("first_contact")
+    corpus = make_corpus(root / "corpus", [0.5, 0.6, 0.7, 0.8, 0.9, 1.0], seed=1)
+    half = root / "half"
+    p = _cli("pack", str(corpus), str(half), "--max-samples-per-shard", "2", "--workers", "1", "--no-progress",
+             env={faults.ENV: "pack.shard=1:kill"})
+    assert p.returncode != 0 and not (half / "manifest.json").exists(), p.stderr[-2000:]
+    return {"missing": root / "no-such-dataset", "corpus": corpus, "half": half}
+
+
+def _one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
+    lines = [x for x in p.stderr.splitlines() if x.strip() and " INFO " not in x and " WARNING " not in x]
+    assert len(lines) == 1 and lines[0].startswith(f"{command}: error"), p.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_wrong_path_unpacked_corpus_and_pack_in_progress_each_get_their_fix(places):
+    """Three situations, three messages, each naming the command that fixes it; the same exit status (2: invalid
+    input) from inspect and bench (and train, which exited 1 before)."""
+    seen = {}
+    for what, path in places.items():
+        for command in ("inspect", "bench"):
+            p = _cli(command, str(path), *(("--no-progress",) if command == "bench" else ()))
+            assert p.returncode == 2, (what, command, p.returncode, p.stderr[-2000:])
+            line = _one_error_line(p, command)
+            seen.setdefault(what, set()).add(line.split(": error: ", 1)[1])
+    assert all(len(v) == 1 for v in seen.values()), seen  # every command says the same thing
+    missing, corpus, half = (next(iter(seen[k])) for k in ("missing", "corpus", "half"))
+    assert "check the path" in missing and "re-run" not in missing
+    assert f"shardtrain pack {places['corpus']} OUTPUT" in corpus and "unpacked corpus" in corpus
+    assert "re-run `shardtrain pack INPUT" in half and "wait" in half and "resumes" in half
+    assert len({missing, corpus, half}) == 3
+    p = _cli("train", "--data", str(places["missing"]), "--out", str(places["missing"].parent / "run"),
+             "--max-steps", "1")
+    assert p.returncode == 2 and missing in _one_error_line(p, "train"), p.stderr[-2000:]
+
+
+def test_help_documents_the_exit_statuses_and_usage_errors_exit_2(tmp_path):
+    p = _cli("--help")
+    text = " ".join(p.stdout.split())
+    assert p.returncode == 0 and "exit status: 0 success; 1 runtime failure" in text
+    assert "2 usage or invalid input" in text and "130 interrupted" in text
+    p = _cli("synth", str(tmp_path / "s"), "--n", "0", "--tone")  # a flag out of range: usage, like argparse's
+    assert p.returncode == 2 and "--n must be >= 1" in p.stderr, (p.returncode, p.stderr)
+
+
+def test_one_table_maps_errors_to_exit_statuses():
+    """The handler's table (cli.common.exit_code): what the user must fix is 2, what failed while running is 1;
+    storage's CredentialsError (a PermissionError) is configuration, not a runtime failure."""
+    from shardtrain.cli.common import EXIT_FAILURE, EXIT_USAGE, exit_code
+    from shardtrain.format.validate import DatasetError
+    from shardtrain.load.reader import StreamError
+
+    class CredentialsError(PermissionError):  # the name storage/retry.py gives it; matched by name
+        pass
+
+    assert exit_code(DatasetError("x")) == EXIT_USAGE
+    assert exit_code(FileNotFoundError("x")) == EXIT_USAGE
+    assert exit_code(CredentialsError("no keys")) == EXIT_USAGE
+    assert exit_code(StreamError("outage")) == EXIT_FAILURE
+    assert exit_code(TimeoutError("slow")) == EXIT_FAILURE
+    assert exit_code(ZeroDivisionError()) is None  # a bug keeps its traceback
