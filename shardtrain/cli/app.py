@@ -11,6 +11,7 @@ from shardtrain.cli.ledger import _add_ledger
 from shardtrain.cli.plan import _add_plan
 from shardtrain.cli.pack import _add_inspect, _add_pack, _add_synth
 from shardtrain.cli.train import _add_augment_demo, _add_train
+from shardtrain.cli.tune import _add_tune
 
 
 
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_synth, _add_pack, _add_inspect, _add_bench, _add_train, _add_augment_demo, _add_transcribe,
-                _add_evaluate, _add_export, _add_ledger, _add_plan):
+                _add_evaluate, _add_export, _add_tune, _add_plan, _add_ledger):
         add(sub)
     for p in sub.choices.values():  # `shardtrain pack -v ...` too; SUPPRESS keeps a -v given before the command
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")

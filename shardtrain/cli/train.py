@@ -28,6 +28,9 @@ def _add_train(sub) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="optimiser steps (overrides the preset)")
     p.add_argument("--out", required=True, help="run directory: config.json, metrics.jsonl, checkpoints/")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--batch-budget", metavar="BUDGET_JSON", default=None,
+                   help="per-bucket batch budgets measured by `shardtrain tune` (budget.json): each duration bucket is "
+                        "planned to its own budget, moved between epochs by the measured peaks (--set budget.*)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set stream.bucket.max_batch_seconds=30 (repeatable)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
@@ -57,6 +60,8 @@ def _cmd_train(args) -> int:
         if args.max_steps is not None:
             paths["max_steps"] = args.max_steps
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **paths))
+        if args.batch_budget:
+            cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, file=args.batch_budget))
     except ValueError as e:
         raise SystemExit(f"train: {e}") from None
     # torchrun sets TORCHELASTIC_RESTART_COUNT; after a failure, continue from the last checkpoint on our own

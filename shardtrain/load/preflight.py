@@ -124,8 +124,8 @@ def pair_repeat(planner: Planner, world_size: int, rows: int) -> dict:
                     group_of[key] = g
                 bid += 1
     sizes: dict[int, list[int]] = {}
-    for key, b in batch_of.items():
-        sizes.setdefault(group_of[key], []).append(b)
+    for key, batch_id in batch_of.items():
+        sizes.setdefault(group_of[key], []).append(batch_id)
     p_same = {}
     for g, bs in sizes.items():  # uniform shuffle inside a band: P(same batch) = sum n_b (n_b - 1) / (N (N - 1))
         n_b = np.bincount(np.asarray(bs))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 
 from shardtrain.train.augment import AugmentConfig
+from shardtrain.train.budget import BudgetConfig
 from shardtrain.train.features import FeatureConfig
 from shardtrain.train.model import ModelConfig
 from shardtrain.train.normalize import TextNormConfig
@@ -147,3 +148,5 @@ class RunConfig:
     text: TextNormConfig = field(default_factory=TextNormConfig)
     """Transcript normaliser for targets, validation and scoring (train/normalize.py); the default is whitespace
     only (what a stored config without this section meant), the shipped pipelines use normalize.SPEECH."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """Per-bucket batch budgets (`--batch-budget`), their closed loop, and OOM splitting (train/budget.py)."""

@@ -3,10 +3,11 @@
     Loader (batch, state) x grad_accum_steps
       -> targets via the tokenizer; ONE all-reduce of the token count (the loss denominator across ranks)
       -> waves.to(device) -> DeviceAugment(generator seeded from (seed, epoch, step, rank)) -> feats
-      -> model (DDP; no_sync on all but the last micro-batch) -> CTC loss summed over tokens
-      -> backward of loss_sum * world_size / global_tokens   (DDP averages gradients, so this is the
-         exact per-token mean over every rank and micro-batch, whatever each rank's batch size)
+      -> model -> CTC loss summed over tokens -> backward of loss_sum * world_size / global_tokens (gradients
+         averaged over ranks, so this is the exact per-token mean over every rank and micro-batch, whatever each
+         rank's batch size); an out-of-memory error is redone in halves on every rank's agreement (update.py)
       -> unscale, clip, AdamW step, warm-up + cosine lr -> log / validate / checkpoint
+      -> between epochs: per-bucket budgets moved by the measured peak memory (closedloop.py, `--batch-budget`)
 
 One process on CPU:
     shardtrain train --data shards/train --val-data shards/dev --pipeline tiny_cpu --max-steps 500 --out runs/tiny
@@ -27,7 +28,6 @@ model, optimiser, scheduler and scaler are restored, and augmentation randomness
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -44,14 +44,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from shardtrain import faults, storage
+from shardtrain import faults
 from shardtrain.format.safe import printable
 
 from shardtrain.train import checkpoint as ckpt
-from shardtrain.train import elastic
+from shardtrain.train import elastic, runfiles
 from shardtrain.train.keylog import KeyLog
 from shardtrain.train.ledger import LedgerWriter, attempt_id
-from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
+from shardtrain.train.step import Augmenters, Collectives
+from shardtrain.train.budget import read_budget
+from shardtrain.train.closedloop import ClosedLoop, table_of, with_table
+from shardtrain.train.memory import MemoryMeter, total_bytes
+from shardtrain.train.update import SplitLevels, broadcast_params, optimiser_step
 from shardtrain.train.evaluate import evaluate, metrics_row
 from shardtrain.train.metrics import MetricsLogger
 from shardtrain.train.model import build_model, num_parameters
@@ -105,7 +109,7 @@ def _build_tokenizer(cfg: TrainConfig, world: World, storage_options: dict | Non
     return CharVocab(chars[0] or [], norm)
 
 
-def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -170,6 +174,12 @@ class _Run:
     """Set when the checkpoint came from another world size (elastic.py)."""
     ledger: LedgerWriter | None = None
     """What this rank trained on since the last checkpoint (train/ledger.py); flushed with each checkpoint."""
+    splits: SplitLevels = field(default_factory=SplitLevels)
+    """Buckets split after an OOM in the current epoch (train/update.py)."""
+    oom_splits: int = 0
+    """Steps redone in parts after an out-of-memory error, over the whole run."""
+    budget_state: dict | None = None
+    """The closed loop's state from the checkpoint (train/closedloop.py), applied in _prepare."""
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
@@ -193,7 +203,7 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
     if tc.qat:  # fake-quant Linear layers (train/qat.py); parameters and state_dict keys are unchanged
         log.info("quantization-aware training: %d Linear layers fake-quantized", enable_qat(raw_model))
     raw_model = raw_model.to(device)
-    optimizer = _optimizer(raw_model, tc)
+    optimizer = make_optimizer(raw_model, tc)
     run = _Run(tok=tok, raw_model=raw_model, model=raw_model, optimizer=optimizer,
                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc)),
                scaler=torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16"))
@@ -207,8 +217,10 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
         log.info("resumed from %s at step %d", latest, run.step)
     else:
         torch.manual_seed(tc.seed * 1000 + world.rank)  # dropout streams differ per rank
-    if world.world_size > 1:
+    if world.world_size > 1 and not cfg.budget.oom_split:
         run.model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif world.world_size > 1:  # update.py all-reduces the gradients itself, after every rank's backward
+        broadcast_params(raw_model)
     return run
 
 
@@ -220,6 +232,9 @@ def _load_state(run: _Run, state: dict, device: torch.device, seed: int) -> None
     run.step = int(state["main"]["step"])
     run.best_val = float(state["main"].get("best_val_loss", math.inf))
     run.loader_state = json.loads(state["rank"]["loader_state"])
+    budget = json.loads(state["main"].get("budget", "{}"))
+    run.splits, run.oom_splits = SplitLevels.from_json(budget.get("splits")), int(budget.get("oom_splits", 0))
+    run.budget_state = budget.get("closed_loop")
     if state["rank"]["rng_cpu"] is None:  # a rank the checkpoint's (smaller) world did not have
         torch.manual_seed(seed + 7919 * run.step)
         return
@@ -241,25 +256,48 @@ def _write_run_files(cfg: RunConfig, run: _Run, out: Path, world: World, device:
 
 
 def _prepare(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
-             comm: Collectives) -> tuple[RunConfig, _Run, Path, Path | str]:
+             comm: Collectives) -> tuple[RunConfig, _Run, Path, Path | str, ClosedLoop]:
     """Run folder (fetched from the object store for an s3:// --out), model/optimiser state, the elastic
     decision on a changed world size (it may change the config), config.json + vocab.json."""
-    out, ckpt_dir = _run_dirs(cfg.train.out_dir)
+    out, ckpt_dir = runfiles.run_dirs(cfg.train.out_dir)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if ckpt.is_remote(cfg.train.out_dir):
-            _fetch_run_files(cfg.train.out_dir, out, storage_options)
+            runfiles.fetch_run_files(cfg.train.out_dir, out, storage_options)
     comm.barrier()
     run = _restore(cfg, world, device, resume, storage_options, ckpt_dir)
     if run.resized is not None:
         cfg = elastic.apply(cfg, run.resized, run.optimizer, run.scheduler)
+    cfg, closed = _closed_loop(cfg, run, device)
     _write_run_files(cfg, run, out, world, device)
-    return cfg, run, out, ckpt_dir
+    return cfg, run, out, ckpt_dir, closed
+
+
+def _closed_loop(cfg: RunConfig, run: _Run, device: torch.device) -> tuple[RunConfig, ClosedLoop]:
+    """The budget table the run plans with (--batch-budget, or the checkpoint's, which the closed loop may have
+    moved) and the memory limit the loop holds it under (train/budget.py)."""
+    bc = cfg.budget
+    doc = read_budget(bc.file) if bc.file else {}
+    if doc:
+        cfg = with_table(cfg, doc["budget_table"])
+    limit: float | None = bc.memory_limit_mb * 2**20 or None
+    if limit is None and doc.get("device", "").split(":")[0] == device.type:
+        limit = float(doc["memory_target_bytes"])
+    if limit is None and device.type == "cuda":
+        limit = 0.9 * total_bytes(device)
+    closed = ClosedLoop(table_of(cfg), bc, limit, tuned=doc.get("budget_table"))
+    closed.load(run.budget_state)
+    if closed.table and closed.table != table_of(cfg):
+        log.info("budget table from the checkpoint: %s", [list(r) for r in closed.table])
+        cfg = with_table(cfg, closed.table)
+    if closed.active and limit is not None:
+        log.info("closed loop on: per-bucket budgets move between epochs to keep peaks under %.0f MB", limit / 2**20)
+    return cfg, closed
 
 
 def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None) -> dict:
     comm = Collectives(world, device)
-    cfg, run, out, ckpt_dir = _prepare(cfg, world, device, resume, storage_options, comm)
+    cfg, run, out, ckpt_dir, closed = _prepare(cfg, world, device, resume, storage_options, comm)
     tc = cfg.train
     metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
     if run.resized is not None:
@@ -276,20 +314,51 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     last: dict = {}
     tokenless = 0
     meter = _Interval()
+    # peak memory per step: for the closed loop, or reported (mem_peak_mb) when a memory limit is set
+    mem = MemoryMeter(device, run.raw_model, run.optimizer) if closed.active or cfg.budget.memory_limit_mb else None
     run.model.train()
     try:
         while run.step < tc.max_steps:
             t0 = time.perf_counter()
-            # fork_rng: DataLoader draws a base seed from the global CPU RNG when an iterator starts; keep the
-            # global RNG for dropout only, so a resumed run (new iterator) continues the same dropout stream
-            with torch.random.fork_rng(devices=[]):
-                micro = [next(batches) for _ in range(tc.grad_accum_steps)]
+            micro: list = []
+            while len(micro) < tc.grad_accum_steps:
+                # fork_rng: DataLoader draws a base seed from the global CPU RNG when an iterator starts; keep the
+                # global RNG for dropout only, so a resumed run (new iterator) continues the same dropout stream
+                with torch.random.fork_rng(devices=[]):
+                    item = next(batches)
+                if not micro and closed.due(item):
+                    new_cfg = _epoch_boundary(cfg, run, closed, comm, device, item[0].epoch, metrics)
+                    if new_cfg is not None:  # this epoch's first batch was planned with the old table: re-plan
+                        cfg = new_cfg
+                        batches.close()
+                        state = {**(run.loader_state or item[1]), "epoch": item[0].epoch, "step": 0, "chain": []}
+                        loader = build_loader(data_sources(tc), world=world, seed=tc.seed,
+                                              cfg=replace(cfg.stream, epochs=None), state=state,
+                                              storage_options=storage_options)
+                        batches = iter(loader)
+                        continue
+                micro.append(item)
             meter.wait_s += time.perf_counter() - t0  # time spent fetching is data wait
             if keylog is not None:
                 keylog.write(run.step + 1, micro)
             if run.ledger is not None:
                 run.ledger.add(run.step + 1, micro)
-            loss, global_tokens = _step(cfg, run, micro, world, device, comm, augmenters)
+            oom_point = lambda: faults.point(f"train.step.rank{world.rank}", run.step + 1, actions=("oom",),  # noqa: E731
+                                             once_marker=out / f".fault_oom_step_{run.step + 1}.done")
+            res = optimiser_step(cfg, run, micro, world, device, comm, augmenters,
+                                 lambda b: augment_seed(tc.seed, b.epoch, b.step, world.rank),
+                                 table=closed.table, splits=run.splits, meter=mem, fault=oom_point)
+            loss, global_tokens = res.loss, res.global_tokens
+            for bucket, peak in res.peaks:
+                meter.mem_peak = max(meter.mem_peak, peak)
+                closed.record(bucket, peak)
+            for ev in res.events:
+                run.oom_splits += 1
+                closed.record_oom(micro, ev)
+                metrics.log({"step": run.step + 1, **ev, "oom_splits": run.oom_splits})
+                log.warning("step %d: out of memory on rank(s) %s; redone in %d parts per micro-batch %s, %d samples, "
+                            "none lost (%d so far)", run.step + 1, ev["ranks"], ev["parts"], ev["micro_batches"],
+                            ev["samples"], run.oom_splits)
             if global_tokens <= 0:  # no target token on any rank: no step, no schedule, nothing to log or save
                 run.loader_state = micro[-1][1]
                 tokenless += 1
@@ -308,7 +377,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                                           world, tc.max_steps))
             t_pause = time.perf_counter()
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
-            _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, storage_options)
+            _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, closed, storage_options)
             meter.pause_s += time.perf_counter() - t_pause
             # the fault seam: after any checkpoint of this step, so a test can crash right after a save
             faults.point(f"train.step.rank{world.rank}", run.step, once_marker=out / f".fault_step_{run.step}.done")
@@ -318,7 +387,15 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             keylog.close()
         bar.close()
         metrics.close()
-    return {**last, "step": run.step, "out_dir": tc.out_dir}
+    return {**last, "step": run.step, "out_dir": tc.out_dir, "oom_splits": run.oom_splits}
+
+
+def _epoch_boundary(cfg: RunConfig, run: _Run, closed: ClosedLoop, comm: Collectives, device: torch.device,
+                    epoch: int, metrics: MetricsLogger) -> RunConfig | None:
+    """Between epochs: the closed loop's decision over all ranks; the config with the new table if one moved."""
+    table, row = closed.boundary(comm, run.raw_model, run.optimizer, device, epoch, run.step + 1)
+    metrics.log(row)
+    return None if table is None else with_table(cfg, table)
 
 
 def _log_interval(run: _Run, meter: _Interval, loader, comm: Collectives, epoch: int, device: torch.device,
@@ -332,54 +409,6 @@ def _log_interval(run: _Run, meter: _Interval, loader, comm: Collectives, epoch:
         log.info("step %d/%d  loss %.3f  %.0f audio-s/s  data wait %.0f%%  lr %.2e  skipped %d", run.step,
                  max_steps, row["loss"], row["audio_s_per_s"], row["data_wait_pct"], row["lr"], row["skipped"])
     return row
-
-
-def _step(cfg: RunConfig, run: _Run, micro: list, world: World, device: torch.device, comm: Collectives,
-          augmenters: Augmenters) -> tuple[float, float]:
-    """One optimiser step over `grad_accum_steps` micro-batches; returns (summed loss, global target tokens).
-
-    Costs one all-reduce of the token count before the backward passes, plus DDP's gradient all-reduce."""
-    tc = cfg.train
-    encoded = [to_device(b, device, run.tok) for b, _ in micro]
-    local_tokens = float(sum(e[2].numel() for e in encoded))  # shape only: no device sync
-    local_samples = float(sum(len(b) for b, _ in micro))
-    # the loss denominator (every token of every rank) and the samples, in one all-reduce
-    global_tokens, global_samples = comm.sum([local_tokens, local_samples])
-    if global_samples == 0:  # every rank's batch is empty: no forward, no step (the caller counts these)
-        b = micro[-1][0]
-        log.warning("every rank's batch is empty (epoch %d, batch %d): step %d not taken", b.epoch, b.step,
-                    run.step + 1)
-        return 0.0, 0.0
-    loss = 0.0
-    if global_tokens > 0:
-        loss_acc = torch.zeros((), device=device)
-        for i, ((batch, _), (waves, lengths, targets, target_lengths)) in enumerate(zip(micro, encoded)):
-            gen = torch.Generator().manual_seed(augment_seed(tc.seed, batch.epoch, batch.step, world.rank))
-            with torch.no_grad():
-                feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, gen, train=tc.augment)
-            last_micro = i == tc.grad_accum_steps - 1
-            model = run.model
-            sync = contextlib.nullcontext() if last_micro or not isinstance(model, DDP) else model.no_sync()
-            with sync:
-                with autocast(tc, device):
-                    loss_sum, _, _ = model(feats, feat_lengths, targets, target_lengths)
-                if len(batch) == 0:
-                    loss_sum = loss_sum * 0.0  # dummy forward: joins the all-reduce, adds nothing
-                    log.warning("rank %d: empty batch (epoch %d, batch %d): every sample failed to decode; joining "
-                                "step %d with a silent dummy", world.rank, batch.epoch, batch.step, run.step + 1)
-                run.scaler.scale(loss_sum * (world.world_size / global_tokens)).backward()
-            loss_acc += loss_sum.detach().float()
-        if tc.grad_clip_norm > 0:
-            run.scaler.unscale_(run.optimizer)
-            torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), tc.grad_clip_norm)
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        loss = float(loss_acc)  # device->host sync once per step
-        run.scheduler.step()
-    else:  # the step counter and the LR schedule do not move for a step that saw no data (see _train)
-        log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
-    run.optimizer.zero_grad(set_to_none=True)
-    return loss, global_tokens
 
 
 def _dataset_seconds(loader, comm: Collectives) -> dict:
@@ -399,6 +428,8 @@ class _Interval:
     audio_s: float = 0.0
     wait_s: float = 0.0
     pause_s: float = 0.0
+    mem_peak: float = 0.0
+    """Largest peak of a step in the interval (bytes; train/memory.py), when measured."""
     t0: float = field(default_factory=time.perf_counter)
 
     def add(self, loss: float, tokens: float, audio_s: float) -> None:
@@ -415,7 +446,9 @@ class _Interval:
                "skipped": int(skipped_g), "epoch": epoch}
         if device.type == "cuda":
             row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        self.loss = self.tokens = self.audio_s = self.wait_s = self.pause_s = 0.0
+        if self.mem_peak:
+            row["mem_peak_mb"] = comm.max([self.mem_peak])[0] / 2**20
+        self.loss = self.tokens = self.audio_s = self.wait_s = self.pause_s = self.mem_peak = 0.0
         self.t0 = time.perf_counter()
         return row
 
@@ -451,7 +484,7 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
 
 
 def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
-                      ckpt_dir: Path | str, val_loss: float | None, last: dict,
+                      ckpt_dir: Path | str, val_loss: float | None, last: dict, closed: ClosedLoop,
                       storage_options: dict | None = None) -> None:
     """Save every `ckpt_every_steps` and at the end (all ranks take part: each writes its own RNG + loader state)."""
     tc = cfg.train
@@ -462,7 +495,9 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
                   "loader_state": json.dumps(run.loader_state)}
     main_state = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
                   "scaler": run.scaler.state_dict(), "step": run.step, "best_val_loss": run.best_val,
-                  "tokenizer": run.tok.to_json()} if world.is_main else None
+                  "tokenizer": run.tok.to_json(),
+                  "budget": json.dumps({"splits": run.splits.to_json(), "oom_splits": run.oom_splits,
+                                        "closed_loop": closed.state()})} if world.is_main else None
     if run.ledger is not None:  # before the checkpoint commits: a file without its checkpoint is cut on resume
         run.ledger.flush(run.step)
     path = ckpt.save_checkpoint(
@@ -474,11 +509,7 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
         keep_last=tc.keep_last, storage_options=storage_options)
     last["checkpoint"] = str(path)
     if world.is_main and ckpt.is_remote(tc.out_dir):
-        _push_run_files(_run_dirs(tc.out_dir)[0], tc.out_dir, storage_options)
-
-
-# run files (config.json, vocab.json, metrics.jsonl) mirrored to an object-store --out at each checkpoint
-_RUN_FILES = ("config.json", "vocab.json", "metrics.jsonl")
+        runfiles.push_run_files(runfiles.run_dirs(tc.out_dir)[0], tc.out_dir, storage_options)
 
 
 def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
@@ -492,32 +523,3 @@ def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
     if world.is_main:
         ledger.start(start_step=run.step, world_size=world.world_size, datasets=datasets)
     return ledger
-
-
-def _run_dirs(out_dir: str) -> tuple[Path, Path | str]:
-    """(local run folder, checkpoint folder or URL). With an object-store --out (s3://bucket/run), metrics and
-    TensorBoard are written to a local mirror (checkpoint.run_mirror: a private folder of this user), copied up at
-    each checkpoint; checkpoints go straight to s3://bucket/run/checkpoints (committed by their meta.json)."""
-    if not ckpt.is_remote(out_dir):
-        return Path(out_dir), Path(out_dir) / "checkpoints"
-    return ckpt.run_mirror(out_dir), storage.join(out_dir, "checkpoints")
-
-
-def _push_run_files(local: Path, url: str, storage_options: dict | None) -> None:
-    for name in _RUN_FILES:
-        if (local / name).is_file():
-            storage.atomic_write_bytes(storage.join(url, name), (local / name).read_bytes(), storage_options)
-
-
-def _fetch_run_files(url: str, local: Path, storage_options: dict | None) -> None:
-    """A resume on a fresh node: bring back the run files the last checkpoint copied up (metrics continue). A new
-    run (nothing up there yet) starts from an empty local mirror, whatever an earlier run with this URL left."""
-    names = set(storage.ls_names(url, storage_options))
-    if not names & set(_RUN_FILES):
-        import shutil
-
-        shutil.rmtree(local, ignore_errors=True)
-        local.mkdir(parents=True, exist_ok=True)
-    for name in _RUN_FILES:
-        if name in names and not (local / name).exists():
-            (local / name).write_bytes(storage.read_bytes(storage.join(url, name), storage_options))

@@ -35,6 +35,13 @@ class Collectives:
             dist.all_reduce(t)
         return t.tolist()
 
+    def max(self, values: list[float]) -> list[float]:
+        """All-reduce (max) a few scalars: what every rank must agree on, e.g. per-bucket peak memory."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.on:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def barrier(self) -> None:
         if self.on:
             dist.barrier()

@@ -1,0 +1,262 @@
+"""One optimiser step over a step's micro-batches, and surviving an out-of-memory error inside it.
+
+    micro-batches -> targets, ONE all-reduce of (tokens, samples) -> augment each micro-batch once (no_grad)
+      -> per micro-batch, in `parts` pieces (1 unless this bucket ran out of memory earlier in the epoch):
+         forward + backward of loss_sum x world_size / global_tokens, gradients accumulating locally
+      -> all-reduce of the OOM flags (every rank, every round)      -- an OOM anywhere: that rank frees what it
+         can, zeroes its gradients and redoes its micro-batches with the failed one in twice as many parts;
+         ranks without an OOM keep their gradients and only take part in the next flag all-reduce
+      -> gradient all-reduce once (averaged, as DDP does) -> unscale, clip, optimiser step, scheduler
+
+Why the gradients are all-reduced after backward instead of by DDP's hooks during it: DDP starts bucket
+all-reduces inside backward, so a rank that fails in its forward or backward cannot withdraw and its peers wait
+in a collective it never joins (a hang until the NCCL/gloo timeout). Running backward unsynchronised and agreeing
+on the flags first makes every rank take the same decision; the cost is that the gradient all-reduce no longer
+overlaps backward (one bucketed all-reduce of the gradients per step, like DDP's, but after it). With
+`budget.oom_split=false` the step is the DDP one (no_sync on all but the last micro-batch) and an OOM stops the run.
+
+A split piece is trimmed to its own longest utterance; CTC losses are summed per utterance and the model masks
+padding, so the pieces' losses and gradients add up to the unsplit step's (floating-point order aside). The
+augmentation ran once on the whole micro-batch, so a split draws no other randomness. No sample is dropped: a
+piece that is one utterance and still does not fit raises on every rank together.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardtrain.load.batch import Batch
+from shardtrain.train.budget import Table, bucket_of
+from shardtrain.train.memory import MemoryMeter, free_after_oom, is_oom
+from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
+from shardtrain.world import World
+
+if TYPE_CHECKING:
+    from shardtrain.train.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+GRAD_BUCKET_BYTES = 25 << 20
+"""Gradient bytes per all-reduce (DDP's default bucket size)."""
+
+
+@dataclass(slots=True)
+class SplitLevels:
+    """Parts per bucket for the rest of an epoch, raised by an OOM (the plan itself never changes mid-epoch)."""
+
+    epoch: int = -1
+    parts: dict[int, int] = field(default_factory=dict)
+
+    def get(self, epoch: int, bucket: int) -> int:
+        if epoch != self.epoch:
+            self.epoch, self.parts = epoch, {}
+        return self.parts.get(bucket, 1)
+
+    def raise_to(self, epoch: int, bucket: int, parts: int) -> None:
+        self.get(epoch, bucket)
+        self.parts[bucket] = max(self.parts.get(bucket, 1), parts)
+
+    def to_json(self) -> dict:
+        return {"epoch": self.epoch, "parts": {str(k): v for k, v in self.parts.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "SplitLevels":
+        d = d or {}
+        return cls(int(d.get("epoch", -1)), {int(k): int(v) for k, v in d.get("parts", {}).items()})
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: float = 0.0
+    global_tokens: float = 0.0
+    peaks: list[tuple[int, float]] = field(default_factory=list)
+    """(bucket, peak bytes) of each of this rank's micro-batches."""
+    events: list[dict] = field(default_factory=list)
+    """oom_split rows (without "step"), the same on every rank."""
+
+
+@dataclass(slots=True)
+class _Item:
+    batch: Batch
+    feats: torch.Tensor
+    feat_lengths: torch.Tensor
+    targets: torch.Tensor
+    target_lengths: torch.Tensor
+    bucket: int
+
+
+def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch.device, comm: Collectives,
+                   augmenters: Augmenters, seed_of: Callable[[Batch], int], *, table: Table | None,
+                   splits: SplitLevels, meter: MemoryMeter | None, fault: Callable[[], None]) -> StepResult:
+    """One optimiser step over `grad_accum_steps` micro-batches (module docstring); `fault` is the in-step
+    fault seam, called before the forward of each unsplit first attempt."""
+    tc = cfg.train
+    encoded = [to_device(b, device, run.tok) for b, _ in micro]
+    local_tokens = float(sum(e[2].numel() for e in encoded))  # shape only: no device sync
+    local_samples = float(sum(len(b) for b, _ in micro))
+    global_tokens, global_samples = comm.sum([local_tokens, local_samples])
+    res = StepResult(global_tokens=global_tokens)
+    if global_samples == 0:  # every rank's batch is empty: no forward, no step (the caller counts these)
+        b = micro[-1][0]
+        log.warning("every rank's batch is empty (epoch %d, batch %d): step %d not taken", b.epoch, b.step,
+                    run.step + 1)
+        res.global_tokens = 0.0
+        return res
+    if global_tokens > 0:
+        items = []
+        for (batch, _), (waves, lengths, targets, target_lengths) in zip(micro, encoded):
+            gen = torch.Generator().manual_seed(seed_of(batch))
+            with torch.no_grad():
+                feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, gen, train=tc.augment)
+            longest = float(batch.durations_s.max()) if len(batch) else 0.0
+            items.append(_Item(batch, feats, feat_lengths, targets, target_lengths, bucket_of(table, longest)))
+            if len(batch) == 0:
+                log.warning("rank %d: empty batch (epoch %d, batch %d): every sample failed to decode; joining "
+                            "step %d with a silent dummy", world.rank, batch.epoch, batch.step, run.step + 1)
+        del encoded
+        scale = world.world_size / global_tokens
+        if cfg.budget.oom_split:
+            loss = _accumulate_safe(cfg, run, items, world, device, comm, scale, splits, meter, fault, res)
+            if world.world_size > 1:
+                all_reduce_grads(run.raw_model, world.world_size)
+        else:
+            loss = _accumulate_ddp(cfg, run, items, device, scale, meter, res)
+        if tc.grad_clip_norm > 0:
+            run.scaler.unscale_(run.optimizer)
+            torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), tc.grad_clip_norm)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        res.loss = float(loss)  # device->host sync once per step
+        run.scheduler.step()
+    else:  # the step counter and the LR schedule do not move for a step that saw no data (see loop._train)
+        log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
+    run.optimizer.zero_grad(set_to_none=True)
+    return res
+
+
+def _pieces(it: _Item, parts: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The item in `parts` pieces of consecutive utterances, each trimmed to its own longest (one sync each)."""
+    if parts <= 1:
+        yield it.feats, it.feat_lengths, it.targets, it.target_lengths
+        return
+    ends = torch.cat([torch.zeros(1, dtype=torch.int64), it.target_lengths.cpu().cumsum(0)]).tolist()
+    for idx in torch.arange(len(it.feat_lengths)).tensor_split(parts):
+        if len(idx) == 0:
+            continue
+        a, b = int(idx[0]), int(idx[-1]) + 1
+        width = int(it.feat_lengths[a:b].max())
+        yield (it.feats[a:b, :width], it.feat_lengths[a:b], it.targets[ends[a]:ends[b]], it.target_lengths[a:b])
+
+
+def _forward_backward(model, cfg: RunConfig, run, device: torch.device, piece: tuple[torch.Tensor, ...],
+                      empty: bool, scale: float, meter: MemoryMeter | None) -> torch.Tensor:
+    with meter.measure() if meter is not None else contextlib.nullcontext():
+        with autocast(cfg.train, device):
+            loss_sum, _, _ = model(*piece)
+        if empty:
+            loss_sum = loss_sum * 0.0  # dummy forward: joins the step, adds nothing
+        run.scaler.scale(loss_sum * scale).backward()
+    return loss_sum.detach().float()
+
+
+def _accumulate_ddp(cfg: RunConfig, run, items: list[_Item], device: torch.device, scale: float,
+                    meter: MemoryMeter | None, res: StepResult) -> torch.Tensor:
+    """The plain DDP accumulation: gradient all-reduce overlapped with the last micro-batch's backward."""
+    loss_acc = torch.zeros((), device=device)
+    for i, it in enumerate(items):
+        last = i == len(items) - 1
+        sync = contextlib.nullcontext() if last or not isinstance(run.model, DDP) else run.model.no_sync()
+        with sync:
+            loss_acc += _forward_backward(run.model, cfg, run, device, next(_pieces(it, 1)), len(it.batch) == 0,
+                                          scale, meter)
+        if meter is not None:
+            res.peaks.append((it.bucket, meter.take()))
+    return loss_acc
+
+
+def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, device: torch.device,
+                     comm: Collectives, scale: float, splits: SplitLevels, meter: MemoryMeter | None,
+                     fault: Callable[[], None], res: StepResult) -> torch.Tensor:
+    """Forward + backward of every micro-batch without gradient sync, redone in more parts after an OOM on any
+    rank until no rank fails (module docstring). Returns this rank's summed loss."""
+    n, ws = len(items), world.world_size
+    parts = [1 if len(it.batch) == 0 else splits.get(it.batch.epoch, it.bucket) for it in items]
+    todo, first, rounds = True, True, 0
+    loss_acc = torch.zeros((), device=device)
+    while True:
+        flags = [0.0] * (ws * n + 1)  # samples of each (rank, micro-batch) that failed; last: unsplittable ones
+        if todo:
+            loss_acc, peaks, failed = torch.zeros((), device=device), [], -1
+            try:
+                for failed, it in enumerate(items):
+                    for piece in _pieces(it, parts[failed]):
+                        if first and parts[failed] == 1:
+                            fault()
+                        loss_acc += _forward_backward(run.raw_model, cfg, run, device, piece, len(it.batch) == 0,
+                                                      scale, meter)
+                    if meter is not None:
+                        peaks.append((it.bucket, meter.take()))
+                todo = False
+                res.peaks = peaks
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_oom(e):
+                    raise
+                log.warning("rank %d: out of memory in step %d, micro-batch %d (%d utterances in %d part(s)): %s",
+                            world.rank, run.step + 1, failed, len(items[failed].batch), parts[failed],
+                            str(e).splitlines()[0][:200])
+                flags[world.rank * n + failed] = float(len(items[failed].batch))
+                flags[-1] = float(parts[failed] >= len(items[failed].batch))
+            if todo:  # this rank failed: drop the attempt's tensors and gradients, then redo it all
+                loss_acc = torch.zeros((), device=device)
+                run.optimizer.zero_grad(set_to_none=True)
+                free_after_oom(device)
+        first = False
+        got = comm.sum(flags)  # every rank, every round: no rank runs ahead, DDP-free so nothing hangs
+        if not any(got):
+            return loss_acc
+        if got[-1] > 0:
+            raise torch.OutOfMemoryError(f"step {run.step + 1}: one utterance alone does not fit in memory on some "
+                                         "rank; lower stream.bucket.max_batch_seconds (or the budget table) or the "
+                                         "longest utterance")
+        rounds += 1
+        failed_at = [(r, i) for r in range(ws) for i in range(n) if got[r * n + i] > 0]
+        for i in sorted({i for _, i in failed_at}):
+            parts[i] = min(2 * parts[i], max(1, len(items[i].batch)))
+            splits.raise_to(items[i].batch.epoch, items[i].bucket, parts[i])
+        res.events.append({"event": "oom_split", "ranks": sorted({r for r, _ in failed_at}),
+                           "micro_batches": sorted({i for _, i in failed_at}), "round": rounds,
+                           "samples": int(sum(got[r * n + i] for r, i in failed_at)),
+                           "parts": max(parts[i] for _, i in failed_at)})
+
+
+def all_reduce_grads(model: torch.nn.Module, world_size: int) -> None:
+    """Average the gradients over ranks as DDP does (divide, then sum), in buckets of GRAD_BUCKET_BYTES."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # unused this step on this rank: contributes zeros, as DDP's find_unused would
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, p in enumerate(params):
+        assert p.grad is not None
+        bucket.append(p.grad)
+        size += p.grad.numel() * p.grad.element_size()
+        nxt = params[i + 1] if i + 1 < len(params) else None
+        if nxt is None or size >= GRAD_BUCKET_BYTES or nxt.dtype != p.dtype:
+            flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world_size)
+            dist.all_reduce(flat)
+            for g, v in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(v.view_as(g))
+            bucket, size = [], 0
+
+
+def broadcast_params(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (what wrapping in DDP would do at construction)."""
+    for t in model.state_dict().values():
+        dist.broadcast(t, src=0)
