@@ -101,7 +101,7 @@ def rank_run(url: str, planner: str, world_size: int, rank: int, cache: str, bar
     import pyarrow.parquet  # noqa: F401
 
     from shardtrain.load.config import StreamConfig
-    from shardtrain.load.loader import _chunk_schedule, build_loader
+    from shardtrain.load.loader import build_loader
     from shardtrain.world import World
 
     proc = psutil.Process()
@@ -109,14 +109,14 @@ def rank_run(url: str, planner: str, world_size: int, rank: int, cache: str, bar
     t0, c0 = time.perf_counter(), time.process_time()
     loader = build_loader(url, world=World(rank=rank, world_size=world_size), seed=0,
                           cfg=StreamConfig(planner=planner, index_cache_dir=cache, epochs=1))
-    sched = _chunk_schedule(loader.idx, loader.seed, loader.world, loader.cfg, loader.cursor, loader.blocks)
-    first = next(sched)
+    sched = loader.planner.epoch(0, world_size).chunks(rank)  # the planner seam: what this rank reads
+    first = next(sched).chunk
     first_s, first_cpu = time.perf_counter() - t0, time.process_time() - c0
-    batches, rows = len(first[2].batches), len(first[2].rows)
+    batches, rows = len(first.batches), len(first.rows)
     t1 = time.perf_counter()
-    for _, _, chunk, _ in sched:
-        batches += len(chunk.batches)
-        rows += len(chunk.rows)
+    for rc in sched:
+        batches += len(rc.chunk.batches)
+        rows += len(rc.chunk.rows)
     epoch_s = time.perf_counter() - t1 + first_s
     Path(barrier, f"{rank}").touch()
     deadline = time.time() + 600

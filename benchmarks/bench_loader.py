@@ -111,8 +111,8 @@ def _limit_worker_init() -> None:
     import shardtrain.format.audio  # noqa: F401
 
 
-def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int]:
-    """(frames, utterances) of one shard: read the whole tar, decode every FLAC member to int16.
+def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int, float]:
+    """(frames, utterances, CPU seconds) of one shard: read the whole tar, decode every FLAC member to int16.
 
     decoder "soundfile": `sf.read(BytesIO)`, what a user writes; "decode_into": shardtrain's own path (libsndfile
     on a memfd, no Python IO callbacks), so the ceiling cannot be flattered by a slower decoder than the loader's.
@@ -124,6 +124,7 @@ def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int]:
 
     from shardtrain.format.audio import decode_into
 
+    cpu0 = time.process_time()
     with open(path, "rb") as f:
         data = f.read()
     frames = n = 0
@@ -136,7 +137,7 @@ def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int]:
                 else:
                     frames += decode_into(blob, np.zeros(_flac_frames(blob), np.int16))
                 n += 1
-    return frames, n
+    return frames, n, time.process_time() - cpu0
 
 
 def run_decode_limit(paths: list[str], processes: int, epochs: int = 1, decoder: str = "soundfile") -> dict:
@@ -153,9 +154,12 @@ def run_decode_limit(paths: list[str], processes: int, epochs: int = 1, decoder:
             t0 = time.perf_counter()
             res = list(pool.imap_unordered(functools.partial(_decode_shard, decoder=decoder), paths, chunksize=1))
             wall = time.perf_counter() - t0
-    frames, n = sum(r[0] for r in res), sum(r[1] for r in res)
+    frames, n, cpu = sum(r[0] for r in res), sum(r[1] for r in res), sum(r[2] for r in res)
     audio_s = frames / SAMPLE_RATE_HZ
+    # CPU seconds of the decode work itself: on a machine shared with other jobs, audio seconds per CPU second
+    # compares costs where wall-clock rates only compare luck with the scheduler
     return {"samples": n, "audio_seconds": round(audio_s, 3), "wall_seconds": round(wall, 3),
+            "cpu_seconds": round(cpu, 3), "audio_s_per_cpu_s": round(audio_s / max(cpu, 1e-9), 1),
             "audio_s_per_s": round(audio_s / wall, 1), "samples_per_s": round(n / wall, 2),
             "padding_efficiency": None, "first_batch_s": None, "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
             "processes": processes}

@@ -101,6 +101,37 @@ def uniform_reference(idx, cfg, epochs: int, world_size: int, seed: int) -> list
     return out
 
 
+def fixed_reference(idx, cfg, epochs: int, seed: int) -> list[list[np.ndarray]]:
+    """The reference that does not move with the planner: `cfg.num_buckets` equal-audio buckets (lhotse's
+    DynamicBucketingSampler default, and shardtrain's buckets before whole-batch buckets), each shuffled
+    uniformly per epoch and split into ceil(its cost / budget) batches. A planner cannot look varied against it
+    by narrowing its own buckets."""
+    from shardtrain.load.plan import cost_s, estimate_bins
+
+    dur = idx.duration_s
+    keep = np.flatnonzero(cost_s(dur, cfg) <= cfg.max_batch_seconds)
+    rows = keep[np.argsort(dur[keep], kind="stable")]
+    ids = np.searchsorted(estimate_bins(dur[rows], cfg.num_buckets), dur[rows], side="right")
+    buckets = np.split(rows, np.flatnonzero(np.diff(ids)) + 1)
+    per = [max(1, int(np.ceil(float(cost_s(dur[b], cfg).sum()) / cfg.max_batch_seconds))) for b in buckets]
+    return [[p for b, m in zip(buckets, per) for p in np.array_split(b[np.random.default_rng([seed, e, 98])
+                                                                        .permutation(len(b))], m)]
+            for e in range(epochs)]
+
+
+def variety(idx, cfg, epochs: int, world_size: int, seed: int) -> dict:
+    """Pair repeat rate of shardtrain's plans beside both references (its own buckets, and fixed buckets)."""
+    n = len(idx)
+    ours = repeat_stats([plan_batches(idx, cfg, e, world_size, seed)[0] for e in range(epochs)], n)
+    own = repeat_stats(uniform_reference(idx, cfg, epochs, world_size, seed), n)
+    fixed = repeat_stats(fixed_reference(idx, cfg, epochs, seed), n)
+    rate = ours["pair_repeat_rate"]
+    return {"pair_repeat_rate": rate, "uniform_own_buckets": own["pair_repeat_rate"],
+            "uniform_fixed_buckets": fixed["pair_repeat_rate"],
+            "x_uniform_own_buckets": round(rate / own["pair_repeat_rate"], 3) if own["pair_repeat_rate"] else None,
+            "x_uniform_fixed_buckets": round(rate / fixed["pair_repeat_rate"], 3) if fixed["pair_repeat_rate"] else None}
+
+
 def lhotse_epochs(dur: np.ndarray, epochs: int, max_batch_seconds: float, num_buckets: int,
                   seed: int) -> list[list[np.ndarray]]:
     """lhotse DynamicBucketingSampler over dummy cuts with the corpus's durations (no audio is read)."""
@@ -118,47 +149,85 @@ def lhotse_epochs(dur: np.ndarray, epochs: int, max_batch_seconds: float, num_bu
     return out
 
 
-def loader_run(url: str, max_batch_seconds: float, run_mb: float, batches_per_chunk: int, epochs: int,
-               storage_options: dict | None = None) -> dict:
+def loader_run(url: str, max_batch_seconds: float, epochs: int, bucket: dict | None = None,
+               stream: dict | None = None, storage_options: dict | None = None) -> dict:
     """Run in a fresh interpreter: `epochs` of the real loader (one rank, default threads; local disk, or S3
-    with `storage_options`)."""
+    with `storage_options`), with `bucket` / `stream` fields set over the defaults of the checkout it runs in
+    (empty for another tree's shipped defaults, whatever fields that tree has)."""
+    import shardtrain
     from shardtrain.load.bench import BenchConfig, bench_loader
     from shardtrain.load.config import StreamConfig
     from shardtrain.load.plan import BucketConfig
     from shardtrain.world import World
 
-    bucket = BucketConfig(max_batch_seconds=max_batch_seconds, run_mb=run_mb, batches_per_chunk=batches_per_chunk)
-    return bench_loader(url, world=World(), seed=0, stream=StreamConfig(bucket=bucket),
-                        bench=BenchConfig(epochs=epochs), storage_options=storage_options)
+    cfg = StreamConfig(bucket=BucketConfig(max_batch_seconds=max_batch_seconds, **(bucket or {})), **(stream or {}))
+    cpu0 = _cpu_s()
+    out = bench_loader(url, world=World(), seed=0, stream=cfg, bench=BenchConfig(epochs=epochs),
+                       storage_options=storage_options)
+    cpu = _cpu_s() - cpu0  # every thread of this process and its reaped children (DataLoader workers)
+    return {**out, "shardtrain_from": str(Path(shardtrain.__file__).parent.parent), "cpu_seconds": round(cpu, 3), "audio_s_per_cpu_s": round(out["audio_seconds"] / max(cpu, 1e-9), 1)}
+
+
+def _cpu_s() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """'LABEL:field=value,...' -> (label, BucketConfig fields, StreamConfig fields); values are Python literals
+    (run_mb=0, check_transcripts=False, min_run_mb=1.0)."""
+    import ast
+
+    from shardtrain.load.plan import BucketConfig
+
+    label, _, spec = text.partition(":")
+    bucket, stream = {}, {}
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        (bucket if k in BucketConfig.__dataclass_fields__ else stream)[k.strip()] = ast.literal_eval(v.strip())
+    return label, bucket, stream
 
 
 def throughput(ds: str, args: argparse.Namespace, url: str, storage_options: dict | None) -> list[dict]:
-    """The loader with mixing (default) and without (run_mb=0, batches_per_chunk=1), alternated --repeats times,
-    beside the decode-only limit (all cores, no batching) of the same shards; with --baseline-tree, also the
-    default loader of another checkout (its `shardtrain` first on PYTHONPATH), for before/after comparisons.
+    """Loaders alternated --repeats times (the order reversed every other repeat) beside the decode-only limit
+    (all cores, no batching) of the same shards: this checkout's default, its run_mb=0 planner (before issue 11),
+    each --variant of this checkout, and the default loader of each --baseline-tree (another checkout's
+    `shardtrain` first on PYTHONPATH: an A/B against an older commit on the same corpus in one run).
     `url`/`storage_options`: where the loaders read (the dataset itself, or its copy on a local SeaweedFS)."""
     k = args.loader_batches_per_chunk
-    loaders = [("shardtrain (default)", 1.0, k, None), ("shardtrain run_mb=0 (before issue 11)", 0.0, 1, None)]
-    if args.baseline_tree:
-        loaders.insert(1, (f"shardtrain (default) of {args.baseline_tree}", 1.0, k, str(args.baseline_tree)))
+    loaders: list[tuple[str, dict, dict, str | None]] = [
+        ("shardtrain (default)", {"batches_per_chunk": k} if k else {}, {}, None)]
+    if not args.no_contiguous:
+        loaders.append(("shardtrain run_mb=0 (before issue 11)", {"run_mb": 0.0, "batches_per_chunk": 1}, {}, None))
+    vt = str(args.variant_tree) if args.variant_tree else None
+    loaders += [(label, b, s, vt) for label, b, s in map(parse_variant, args.variant)]
+    loaders += [(f"default of {t}", {}, {}, str(t)) for t in args.baseline_tree]
     runs: dict[str, list[dict]] = {label: [] for label, *_ in loaders}
     runs["decode-only limit"] = []
     for rep in range(args.repeats):
-        for label, mb, k, tree in (loaders if rep % 2 == 0 else loaders[::-1]):  # alternate the order too
+        for label, bucket, stream, tree in (loaders if rep % 2 == 0 else loaders[::-1]):  # alternate the order
             runs[label].append(common.run_isolated("bench_shuffle", "loader_run", {
-                "url": url, "max_batch_seconds": args.max_batch_seconds, "run_mb": mb, "batches_per_chunk": k,
-                "epochs": args.loader_epochs, "storage_options": storage_options},
-                env={"PYTHONPATH": tree} if tree else None))
+                "url": url, "max_batch_seconds": args.max_batch_seconds, "epochs": args.loader_epochs,
+                "bucket": bucket, "stream": stream, "storage_options": storage_options},
+                env={"PYTHONPATH": tree} if tree else None, cwd=tree))
+            log.info("%s: %s audio-s/s", label, runs[label][-1]["audio_s_per_s"])
         runs["decode-only limit"].append(common.run_isolated("bench_loader", "run_decode_limit", {
             "paths": common.shard_paths(Path(ds)), "processes": 2, "epochs": args.loader_epochs}))
     out = []
     for label, rs in runs.items():
-        agg = common.aggregate(rs, ("audio_s_per_s", "first_batch_s", "peak_rss_mb"))
-        out.append({"loader": label, **{k: common.fmt_stat(v, 2 if k == "first_batch_s" else 0)
+        agg = common.aggregate(rs, ("audio_s_per_s", "audio_s_per_cpu_s", "first_batch_s", "peak_rss_mb",
+                                    "padding_efficiency", "batch_audio_s"))
+        out.append({"loader": label, **{k: common.fmt_stat(v, {"first_batch_s": 2, "padding_efficiency": 3}.get(k, 0))
                                          for k, v in agg.items()}, "runs": rs})
-    limit = statistics.median(r["audio_s_per_s"] for r in runs["decode-only limit"])
+    # per repeat: each loader over the decode limit of the same repeat, then the median of those ratios
+    lims = [r["audio_s_per_s"] for r in runs["decode-only limit"]]
     for row, rs in zip(out, runs.values()):
-        row["of_decode_limit"] = f"{statistics.median(r['audio_s_per_s'] for r in rs) / limit:.0%}"
+        ratios = [r["audio_s_per_s"] / lim for r, lim in zip(rs, lims)]
+        row["of_decode_limit"] = f"{statistics.median(ratios):.0%} ({min(ratios):.0%}-{max(ratios):.0%})"
+        cpu = [r["audio_s_per_cpu_s"] / lim["audio_s_per_cpu_s"] for r, lim in zip(rs, runs["decode-only limit"])]
+        row["cpu_of_decode_limit"] = f"{statistics.median(cpu):.0%} ({min(cpu):.0%}-{max(cpu):.0%})"
     return out
 
 
@@ -217,6 +286,7 @@ def measure(args: argparse.Namespace) -> dict:
         planned = [plan_batches(idx, cfg, e, args.world_size, args.seed) for e in range(args.epochs)]
         add(label, [p[0] for p in planned], {**planned[0][1], "plan_s": round((time.perf_counter() - t0) / args.epochs, 3)})
     add("uniform shuffle in shardtrain's buckets", uniform_reference(idx, base, args.epochs, args.world_size, args.seed))
+    add(f"uniform shuffle in {base.num_buckets} equal-audio buckets", fixed_reference(idx, base, args.epochs, args.seed))
     if not args.no_lhotse:
         for nb in args.lhotse_buckets:
             add(f"lhotse DynamicBucketingSampler ({nb} buckets)",
@@ -257,11 +327,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--throughput", action="store_true", help="also time the real loader, with and without mixing")
     ap.add_argument("--repeats", type=int, default=3, help="throughput runs per loader (alternated)")
     ap.add_argument("--loader-epochs", type=int, default=2)
-    ap.add_argument("--loader-batches-per-chunk", type=int, default=4,
-                    help="batches_per_chunk of the timed default loaders (1 with a small budget: many small reads)")
+    ap.add_argument("--loader-batches-per-chunk", type=int, default=0,
+                    help="batches_per_chunk of the timed default loader (0: the default; 1 with a small budget: many "
+                         "small reads)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="with --throughput: also time this checkout's loader as 'LABEL:field=value,...' (BucketConfig "
+                         "or StreamConfig fields), e.g. 'no checks:check_transcripts=False'; repeatable")
+    ap.add_argument("--variant-tree", type=Path, help="run the --variant loaders in this checkout instead")
+    ap.add_argument("--no-contiguous", action="store_true", help="with --throughput: leave out the run_mb=0 loader")
     ap.add_argument("--s3", action="store_true", help="with --throughput: the loaders read from a local SeaweedFS")
-    ap.add_argument("--baseline-tree", type=Path, help="with --throughput: also time the default loader of this "
-                    "checkout (e.g. a `git worktree` of main), alternated with this one")
+    ap.add_argument("--baseline-tree", type=Path, action="append", default=[],
+                    help="with --throughput: also time the default loader of this checkout (e.g. `git worktree add "
+                         "/tmp/ab-old d12b55b^`), alternated with this one; repeatable")
     ap.add_argument("--out", type=Path, default=common.BENCH_DIR / "results" / "bench_shuffle.json")
     return ap.parse_args(argv)
 
@@ -280,6 +357,9 @@ def main(argv: list[str] | None = None) -> dict:
               "(min-max); timings are noisy on a shared 2-core machine\n")
         print(common.markdown_table(res["throughput"], [("loader", "loader"), ("audio_s_per_s", "audio-s/s"),
                                                         ("of_decode_limit", "of decode limit"),
+                                                        ("audio_s_per_cpu_s", "audio-s per CPU-s"),
+                                                        ("cpu_of_decode_limit", "CPU efficiency of decode limit's"),
+                                                        ("padding_efficiency", "padding eff."),
                                                         ("first_batch_s", "first batch s"),
                                                         ("peak_rss_mb", "peak RSS MB")]))
     return res

@@ -124,11 +124,53 @@ def plot(summary: list[dict], limit: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------- issue 20's table
+def issue_figures(summary: list[dict], limit: dict, ds: Path, args: argparse.Namespace) -> tuple[dict, str]:
+    """Issue 20's figures for shardtrain as shipped (threads in one process, float32), per storage: whole epoch
+    over the decode-only limit of the same run, over webdataset and lhotse (same workers, same run), padding,
+    fill (audio s per batch / max_batch_seconds), first batch, peak RSS, and the pair repeat rate of its plans
+    across epochs over a uniform shuffle in 30 fixed equal-audio buckets (planning only, 4 epochs)."""
+    import bench_shuffle
+
+    from shardtrain.format.manifest import open_dataset
+    from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex
+
+    idx = PlanIndex.from_table(open_dataset(str(ds)).read_index(columns=list(PLAN_COLUMNS)))
+    var = bench_shuffle.variety(idx, BucketConfig(max_batch_seconds=args.max_batch_seconds), 4, 1, args.seed)
+    out: dict = {"variety": var, "storages": {}}
+    lines = ["| figure | " + " | ".join(sorted({r["storage"] for r in summary})) + " | goal |", ""]
+    rows: dict[str, list[str]] = {}
+    goals = {"loader whole epoch / decode-only limit": ">= 0.95", "loader / webdataset": ">= 2", "loader / lhotse":
+             ">= 2", "padding efficiency": ">= 0.97", "batch fill": ">= 0.85", "first batch s": "<= 0.15",
+             "peak RSS MB": "<= 700", "pair repeat rate / uniform in 30 buckets": "<= 1.2"}
+    for storage in sorted({r["storage"] for r in summary}):
+        me = next((r for r in summary if r["tool"] == "shardtrain" and r["storage"] == storage and r["workers"] == 0),
+                  None)
+        if me is None:
+            continue
+        peer = {r["tool"]: r for r in summary if r["storage"] == storage and r["tool"] != "shardtrain"}
+        med = lambda r, k: r[k]["median"] if r and r.get(k) else None  # noqa: E731
+        fig = {"loader whole epoch / decode-only limit": me["of_decode_limit"],
+               "loader / webdataset": common.ratio(med(me, "audio_s_per_s"), med(peer.get("webdataset"), "audio_s_per_s")),
+               "loader / lhotse": common.ratio(med(me, "audio_s_per_s"), med(peer.get("lhotse"), "audio_s_per_s")),
+               "padding efficiency": med(me, "padding_efficiency"),
+               "batch fill": round(med(me, "batch_audio_s") / args.max_batch_seconds, 3) if med(me, "batch_audio_s") else None,
+               "first batch s": med(me, "first_batch_s"), "peak RSS MB": med(me, "peak_rss_mb"),
+               "pair repeat rate / uniform in 30 buckets": var["x_uniform_fixed_buckets"]}
+        out["storages"][storage] = fig
+        for k, v in fig.items():
+            rows.setdefault(k, []).append("-" if v is None else f"{v:g}")
+    lines[1] = "|" + "---|" * (len(lines[0].split("|")) - 2)
+    lines += [f"| {k} | " + " | ".join(v) + f" | {goals[k]} |" for k, v in rows.items()]
+    return out, "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
+    load_start = os.getloadavg()[0]
     corpus = common.prepare_corpus(work, args.utterances, kind=args.corpus, seed=args.seed)
     ds = common.prepare_dataset(work, corpus, shard_mb=args.shard_mb)
     info = common.dataset_summary(ds)
@@ -155,7 +197,9 @@ def main(args: argparse.Namespace) -> dict:
     md = common.markdown_table(table, bench_loader.COLUMNS)
     sha = common.git_sha()
     mach = common.machine()
-    head = (f"{info['samples']} utterances ({args.corpus}, {info['audio_hours']} h, {info['shards']} shards), "
+    load = os.getloadavg()[0]  # how shared the machine was: ratios hold up under load, absolute rates do not
+    head = (f"load average {load_start:.1f} at the start, {load:.1f} at the end; "
+            f"{info['samples']} utterances ({args.corpus}, {info['audio_hours']} h, {info['shards']} shards), "
             f"{args.workers} workers, max_batch_seconds {args.max_batch_seconds:g} (webdataset batch {bs}), "
             f"median (min-max) of {args.repeats} runs; {mach['cpus']} CPUs "
             f"(effective {limit['effective_cores']}: decode limit / one process); git {sha}")
@@ -163,8 +207,11 @@ def main(args: argparse.Namespace) -> dict:
               "config": {**vars(args), "webdataset_batch_size": bs}, "dataset": info,
               "decode_limit": {k: v for k, v in limit.items() if k != "runs"}, "rows": summary,
               "prepare_s": round(t_prep, 1), "total_wall_s": round(time.perf_counter() - t_all, 1)}
+    issue, issue_md = issue_figures(summary, limit, ds, args)
+    result["issue_table"] = issue
     common.write_json(out_dir / "compare.json", result)
-    (out_dir / "compare.md").write_text(f"{head}\n\n{md}\n")
+    (out_dir / "compare.md").write_text(f"{head}\n\n{md}\n\n{issue_md}\n")
+    print(issue_md + "\n")
     plot(summary, limit, out_dir / "compare.png", head)
     print(head + "\n\n" + md)
     print(common.json_line({"git_sha": sha, "config": result["config"], "total_wall_s": result["total_wall_s"],

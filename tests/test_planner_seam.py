@@ -218,11 +218,23 @@ def test_epoch_boundary_state_resumes_under_new_budgets(packed, tmp_path):
         build_loader(packed[0], world=World(), seed=4, cfg=new, state=states[0])
 
 
-def test_first_read_is_one_batch(packed, tmp_path):
-    """The stream starts (and resumes) with a one-batch read: the first batch waits for one batch's decode."""
-    loader = make("rows", packed, tmp_path, epochs=1)
+@pytest.mark.parametrize("resume_at", [0, 1])
+def test_first_chunk_is_read_one_batch_at_a_time(packed, tmp_path, resume_at):
+    """The stream starts (and resumes) with one-batch reads: the first batch waits for one batch's decode."""
     from shardtrain.load.loader import _schedule
 
+    cfg = StreamConfig(bucket=BucketConfig(max_batch_seconds=BUDGET, num_buckets=1))  # chunks of 4 batches
+    loader = build_loader(packed[0], world=World(), seed=0, cfg=cfg)
+    state = None
+    if resume_at:
+        it = iter(loader)
+        state = next(it)[1]
+        it.close()
+    loader = build_loader(packed[0], world=World(), seed=0, cfg=cfg, state=state)
     items = list(_schedule(loader.planner, loader.world, loader.cfg, loader.cursor))
-    assert len(items[0].rc.chunk.batches) == 1 and len(items[1].rc.chunk.batches) >= 1
-    assert items[1].first_step == 1
+    chunk = loader.planner.epoch(0, 1).chunks(0, resume_at)
+    first = next(chunk)
+    n = len(first.chunk.batches) - (resume_at - first.first_step)
+    assert n > 1 and [len(i.rc.chunk.batches) for i in items[:n]] == [1] * n
+    assert [i.first_step for i in items[:n + 1]] == list(range(resume_at, resume_at + n + 1))
+    assert len(items[n].rc.chunk.batches) > 1  # later chunks are read whole

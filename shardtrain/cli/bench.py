@@ -71,7 +71,10 @@ def _cmd_bench(args) -> int:
     else:
         width = max(map(len, out))
         for k, v in out.items():
-            print(f"{k:<{width}}  {printable(v)}")
+            if k != "steady_refused":
+                print(f"{k:<{width}}  {printable(v)}")
+        if "steady_refused" in out:
+            print(f"bench: {out['steady_refused']}", file=sys.stderr)
     return 0
 
 

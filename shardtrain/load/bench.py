@@ -4,9 +4,11 @@
 
 Reports throughput (audio-s/s, samples/s), padding efficiency (real samples / padded samples), time to first
 batch, peak RSS of the whole process tree (workers included), skipped samples, the share of step time spent
-waiting for data when a step time is simulated, and per-stage seconds (read, parse, decode, batch, collate,
-h2d, augment) with each stage's own rate (audio seconds / stage seconds, summed over threads: what one core
-would do if that stage ran alone).
+waiting for data when a step time is simulated, the data wait of the first steps of every epoch against the
+median step's (epoch boundaries should not stall a trainer), and per-stage seconds (read, parse, decode, batch,
+collate, and h2d / augment when they ran) with each stage's own rate (audio seconds / stage seconds, summed over
+threads: what one core would do if that stage ran alone). A steady rate is given only from enough batches
+(`steady_batches_needed`); otherwise `steady_refused` says how many it needs.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from collections.abc import Callable
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import psutil
 import torch
 from tqdm import tqdm
@@ -100,6 +103,38 @@ def steady_rate(audio_s: float, first_audio_s: float, wall_s: float, first_batch
     return round((audio_s - first_audio_s) / (wall_s - first_batch_s), 1)
 
 
+def steady_batches_needed(stream: StreamConfig) -> int:
+    """Batches after the first that a steady figure needs: the read-ahead (prefetch_chunks chunks of
+    batches_per_chunk batches) must drain and refill twice, or the figure is the read-ahead's, not the loader's
+    (2 batches of a tiny set once gave 213,530 audio-s/s)."""
+    return 2 * stream.prefetch_chunks * stream.bucket.batches_per_chunk + 4
+
+
+EPOCH_START_STEPS = 5
+"""Steps at the start of every epoch whose data wait is reported against the median step's."""
+
+
+def epoch_start_waits(waits: list[tuple[int, int, float]]) -> dict:
+    """Data wait of the first EPOCH_START_STEPS steps of each epoch against the median step's: the epoch boundary
+    (planning the next epoch, its first reads) should cost the trainer no more than a steady step. Epoch 0's
+    step 0 is the start-up (first_batch_s), so its mean starts at step 1. Milliseconds."""
+    if not waits:
+        return {}
+    median = float(np.median([w for _, _, w in waits]))
+    per_epoch: dict[int, list[float]] = {}
+    for epoch, step, w in waits:
+        if step < EPOCH_START_STEPS and (epoch, step) != (waits[0][0], waits[0][1]):
+            per_epoch.setdefault(epoch, []).append(w)
+    starts = {e: float(np.mean(v)) for e, v in sorted(per_epoch.items())}
+    out = {"median_wait_ms": round(1e3 * median, 3),
+           "epoch_start_wait_ms": {str(e): round(1e3 * v, 3) for e, v in starts.items()}}
+    worst = max(starts.values(), default=None)
+    # a ratio to a near-zero median (the loader ahead of the trainer) says nothing: the excess in ms then does
+    out["epoch_start_wait_x_median"] = round(worst / median, 2) if worst is not None and median >= 1e-3 else None
+    out["epoch_start_excess_ms"] = round(1e3 * (worst - median), 3) if worst is not None else None
+    return out
+
+
 Augmenter = Callable[[torch.Tensor, torch.Tensor, torch.Generator], object]
 """(waves [B, T] float32 on `device`, lengths [B], generator) -> anything; timed as stage "augment"."""
 
@@ -114,6 +149,8 @@ class _Tally:
     wait_s: float = 0.0
     first_batch_s: float | None = None
     first_audio_s: float = 0.0
+    waits: list[tuple[int, int, float]] = field(default_factory=list)
+    """(epoch, step, seconds waited for the batch) per batch."""
 
 
 def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, bench: BenchConfig,
@@ -125,7 +162,9 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
     DeviceAugment with `--augment`); it is called once the dataset's sample rate is known. The loader room
     does not import the trainer, so the chain comes in from above."""
     stream = replace(stream, epochs=bench.epochs)
-    stages = {"h2d": 0.0, "augment": 0.0}
+    stages = {"h2d": 0.0} if bench.device != "cpu" else {}
+    if make_augment is not None:
+        stages["augment"] = 0.0
     tally = _Tally()
     with RssSampler() as rss:
         t_start = time.perf_counter()
@@ -142,13 +181,20 @@ def bench_loader(url: str, *, world: World, seed: int, stream: StreamConfig, ben
         "padding_efficiency": round(tally.real / tally.padded, 4) if tally.padded else None,
         "batches": tally.batches, "first_batch_s": round(tally.first_batch_s or 0.0, 3),
         "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
-        "steady_audio_s_per_s": steady_rate(audio_s, tally.first_audio_s, wall, tally.first_batch_s),
+        "steady_audio_s_per_s": None,
         "skipped": stats["skipped"], "too_long": stats["too_long"],
         "data_wait_pct": round(100.0 * tally.wait_s / wall, 2) if bench.step_ms > 0 else None,
         "workers": stream.num_workers, "decode_threads": stream.decode_threads,
         "world_size": world.world_size, "rank": world.rank,
         "max_batch_seconds": stream.bucket.max_batch_seconds, "planner": loader.planner.name,
     }
+    need = steady_batches_needed(stream)
+    if tally.batches - 1 >= need:
+        out["steady_audio_s_per_s"] = steady_rate(audio_s, tally.first_audio_s, wall, tally.first_batch_s)
+    else:
+        out["steady_refused"] = (f"no steady rate: it needs >= {need} batches after the first, this run had "
+                                 f"{max(tally.batches - 1, 0)}; use a larger dataset or more --epochs")
+    out.update(epoch_start_waits(tally.waits))
     for k, v in stage_s.items():
         out[f"stage_{k}_s"] = round(v, 3)
         out[f"stage_{k}_audio_s_per_s"] = round(audio_s / v, 1) if v > 0 else None
@@ -173,6 +219,7 @@ def _drain(loader, bench: BenchConfig, aug: Augmenter | None, gen: torch.Generat
                 break
             t1 = time.perf_counter()
             tally.wait_s += t1 - t0
+            tally.waits.append((batch.epoch, batch.step, t1 - t0))
             if tally.first_batch_s is None:
                 tally.first_batch_s = t1 - t_start
                 tally.first_audio_s = float(batch.durations_s.sum())
@@ -185,12 +232,14 @@ def _drain(loader, bench: BenchConfig, aug: Augmenter | None, gen: torch.Generat
             if bench.device != "cpu":
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
-            stages["h2d"] += t2 - t1
-            if aug is not None and len(batch):
-                aug(waves, lengths, gen)
-                if bench.device != "cpu":
-                    torch.cuda.synchronize()
-            stages["augment"] += time.perf_counter() - t2
+            if "h2d" in stages:
+                stages["h2d"] += t2 - t1
+            if aug is not None:
+                if len(batch):
+                    aug(waves, lengths, gen)
+                    if bench.device != "cpu":
+                        torch.cuda.synchronize()
+                stages["augment"] += time.perf_counter() - t2
             if bench.step_ms > 0:
                 time.sleep(bench.step_ms / 1000.0)
             tally.batches += 1

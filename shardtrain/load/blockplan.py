@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, deal_runs, estimate_bins, table_cost_cuts
+from shardtrain.load.plan import FILL_TARGET, BucketConfig, Chunk, cost_s, deal_runs, estimate_bins, table_edges
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +150,14 @@ class BlockPlan:
     def groups(self) -> list[tuple[int, list[np.ndarray]]]:
         """(M_g, every rank's block ids) per group: for tests and small plans (builds an array per chunk)."""
         return [(int(m), [self.chunk(g, r) for r in range(self.world_size)]) for g, m in enumerate(self.group_m)]
+
+
+def table_cost_cuts(cfg: BucketConfig) -> np.ndarray:
+    """The table's edges in `cost_s` units, for planners that bucket by cost (plan_blocks): per edge, the cost of
+    the shortest utterance past it (its budget's scale), so buckets cut there hold one entry's lengths each when
+    budgets shrink with length (growing budgets are safe in any batch: b(r) <= b(L))."""
+    e = table_edges(cfg)[:-1]
+    return cost_s(np.nextafter(e, np.inf), cfg) if len(e) else e
 
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:

@@ -38,18 +38,21 @@ from shardtrain import storage
 from shardtrain.load.batch import Batch
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.plan import BucketConfig, Chunk
-from shardtrain.load.planner import EpochView, Planner, RankChunk, epoch_plan, open_planner
+from shardtrain.load.planner import EpochView, Planner, RankChunk, open_planner
 from shardtrain.load.reader import ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+PLAN_AHEAD_AFTER = 2
+"""Reads of an epoch scheduled before the next epoch is planned in the background (at the start it would slow
+the first batch; later, the boundary would wait for the plan)."""
 PRESIGN_AHEAD = 1024
 """Shards signed in the main process before DataLoader workers fork (~0.25 ms each), so a worker needs no S3
 client of its own to start; later shards are signed in the worker when first read."""
 
-__all__ = ["Loader", "build_loader", "StreamConfig", "StreamError", "Batch", "epoch_plan"]
+__all__ = ["Loader", "build_loader", "StreamConfig", "StreamError", "Batch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +94,10 @@ def _check_epoch(view: EpochView, epoch: int, chain: tuple) -> EpochView:
 
 
 def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor) -> Iterator[_Item]:
-    """This rank's reads from `start`, in plan order. The next epoch is planned in a thread as soon as this one
-    starts, so an epoch boundary waits for nothing a steady step does not; the first read of the stream is one
-    batch (its first batch arrives after one batch's read and decode, not a whole chunk's)."""
+    """This rank's reads from `start`, in plan order. The next epoch is planned in a thread once this one's first
+    reads are scheduled, so an epoch boundary waits for nothing a steady step does not; the first chunk of the
+    stream (at a start or a resume) is read one batch at a time, so the first batches wait for one batch's read
+    and decode each, not a whole chunk's. The reads are the plan's batches whatever their grouping, so resume and workers agree."""
     epoch, step, chain = start.epoch, start.step, start.chain
     ahead = ThreadPoolExecutor(1, thread_name_prefix="plan")
     nxt: Future | None = None
@@ -102,18 +106,23 @@ def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor)
         while cfg.epochs is None or epoch < cfg.epochs:
             view = (nxt.result() if nxt is not None else planner.epoch(epoch, world.world_size, chain))
             view = _check_epoch(view, epoch, chain)
-            nxt = (ahead.submit(planner.epoch, epoch + 1, world.world_size)
-                   if cfg.epochs is None or epoch + 1 < cfg.epochs else None)
-            for rc in view.chunks(world.rank, step):
+            nxt = None
+            more = cfg.epochs is None or epoch + 1 < cfg.epochs
+            for n, rc in enumerate(view.chunks(world.rank, step)):
+                if n == PLAN_AHEAD_AFTER and more:  # not sooner: it would compete with the first batch's decode
+                    nxt = ahead.submit(planner.epoch, epoch + 1, world.world_size)
                 skip = max(0, step - rc.first_step)
                 at = rc.first_step + skip
                 batches = rc.chunk.batches
-                if first and len(batches) - skip > 1:  # a small first read: one batch, then the rest
-                    one = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[skip:skip + 1]))
-                    yield _Item(epoch, at, one, 0, view.steps, view.rows)
-                    rc, skip, at = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[skip + 1:])), 0, at + 1
-                first = False
+                if first:  # small first reads: the first chunk one batch at a time
+                    for i in range(skip, len(batches)):
+                        one = replace(rc, chunk=Chunk(rows=rc.chunk.rows, batches=batches[i:i + 1]))
+                        yield _Item(epoch, at + i - skip, one, 0, view.steps, view.rows)
+                    first = False
+                    continue
                 yield _Item(epoch, at, rc, skip, view.steps, view.rows)
+            if nxt is None and more:  # a short epoch: plan the next one now
+                nxt = ahead.submit(planner.epoch, epoch + 1, world.world_size)
             epoch, step, chain = epoch + 1, 0, ()
     finally:
         ahead.shutdown(wait=False, cancel_futures=True)

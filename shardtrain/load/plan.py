@@ -1,14 +1,24 @@
 """Epoch planning: a pure function from index metadata to every rank's batches. Never opens audio.
 
     index.parquet (shard, offset, size, audio_offset, audio_size, duration_s; rows sorted by duration)
-      -> duration buckets (bins with equal total audio, or given)                     -> contiguous row ranges
-      -> chunks: each bucket cut into a multiple of `world_size` pieces of equal audio -> [Chunk(rows)]
+      -> duration buckets of whole batches: edges where the running cost passes each multiple of k batches per
+         rank at UNIT_FILL of the budget, k >= 2 and at most `num_buckets` buckets (run_mb=0: equal-audio bins;
+         or `bins_s`)                                                                 -> contiguous row ranges
+      -> chunks: each bucket cut into a multiple of `world_size` pieces in proportion to the whole batches each
+         holds (`_chunk_shares`; run_mb=0: equal audio)                               -> [Chunk(rows)]
          (`batches_per_chunk` batches each; a chunk is k runs of ~`run_mb` from random places of its bucket,
          cut at a random phase every epoch, so batch composition changes per epoch; shorter runs, down to
          `min_run_mb`, where a bucket is large against its chunks; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
       -> batches: every chunk of a group is dealt into the same number M_g of batches under the budget,
-         the rows of a run into distinct batches (`deal_runs`)                       -> Chunk.batches
+         the rows of a run into distinct batches (`deal_runs`), then single-row swaps even out seconds where a
+         batch would overflow (`_balance`) before M_g grows                          -> Chunk.batches
+
+Full batches (issue 20): equal-audio buckets hold fractional batches per rank (1.48 on the 4k benchmark), which
+deal into part-full ones (0.72 mean fill there, 0.51 over 2 ranks); buckets of whole batches, chunks cut in
+proportion and the balancing swaps give 0.94 there (0.90-0.95 on 20k-40k synthetic rows), with the pair repeat
+rate of a uniform shuffle in 30 equal-audio buckets (x1.0) and padding ~0.964 (0.972 before: the buckets are a
+little wider where k = 2).
 
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
@@ -91,18 +101,15 @@ class BucketConfig:
     chunk_mb: float = 64.0
     """Upper bound on bytes per chunk, whatever the batch size (caps read size and memory per chunk)."""
     budget_table: tuple[tuple[float, float], ...] | None = None
-    """Per-length batch budgets, ((max_duration_s_edge, max_batch_seconds), ...) sorted by edge, replacing
-    `max_batch_seconds` as the budget (what `shardtrain tune` measures: batches of short utterances often fit
-    more audio). Exactly: the budget of a duration d is b(d) = the budget of the first entry whose edge is >= d;
-    durations longer than the last edge take the last entry's budget. A batch whose longest utterance lasts L
-    holds at most b(L) seconds of cost (summed, or L's cost x size with `padded_budget`). An utterance is too
-    long (left out of every epoch, counted) when its cost alone exceeds b(d); past the last edge that is the
-    last budget, so a table whose last budget is max_batch_seconds keeps max_batch_seconds' too-long rule.
-    How: `cost_s` gives an utterance cost(d) x max_batch_seconds / b(d), so both planners keep one budget, and no
-    batch mixes lengths of two entries (the rows planner cuts duration buckets at the edges; the block planner
-    cuts blocks and buckets there), so every batch is within b(L). One exception: a bucket left with fewer rows
-    than ranks merges into its neighbour, and may then cross an edge. Part of the bucket fingerprint (a state
-    resumes mid-epoch only with the same table; at an epoch boundary with any). Cost: one searchsorted a row."""
+    """Per-length budgets ((max_duration_s_edge, max_batch_seconds), ...) sorted by edge, replacing
+    max_batch_seconds (`shardtrain tune` measures them). Exactly: b(d) = the budget of the first entry whose edge
+    is >= d, the last entry's past the last edge; a batch whose longest utterance lasts L holds at most b(L)
+    seconds of cost (summed, or L's x size with `padded_budget`); an utterance whose cost alone exceeds b(d) is
+    too long (left out, counted), so a last budget of max_batch_seconds keeps max_batch_seconds' too-long rule.
+    How: `cost_s` scales costs by max_batch_seconds / b(d) and no batch mixes two entries' lengths (rows: buckets
+    cut at the edges; blocks: blocks and buckets cut there); a bucket of fewer rows than ranks merges into its
+    neighbour and may then cross an edge. In the bucket fingerprint: a state resumes mid-epoch only with the same
+    table, at an epoch boundary with any."""
 
     def __post_init__(self) -> None:
         if self.max_batch_seconds <= 0:
@@ -230,14 +237,6 @@ def table_edges(cfg: BucketConfig) -> np.ndarray:
     return np.zeros(0) if cfg.budget_table is None else np.array([e for e, _ in cfg.budget_table])
 
 
-def table_cost_cuts(cfg: BucketConfig) -> np.ndarray:
-    """The table's edges in `cost_s` units, for planners that bucket by cost (blockplan): per edge, the cost of
-    the shortest utterance past it (its budget's scale), so buckets cut there hold one entry's lengths each when
-    budgets shrink with length (growing budgets are safe in any batch: b(r) <= b(L))."""
-    e = table_edges(cfg)[:-1]
-    return cost_s(np.nextafter(e, np.inf), cfg) if len(e) else e
-
-
 def batch_budget_s(longest_s: float, cfg: BucketConfig) -> float:
     """The budget of a batch whose longest utterance lasts `longest_s` (max_batch_seconds without a table)."""
     if cfg.budget_table is None:
@@ -265,28 +264,47 @@ def batch_cost(costs: np.ndarray, cfg: BucketConfig) -> float:
     return float(costs.max() * len(costs)) if cfg.padded_budget else float(costs.sum())
 
 
-def _min_bucket_batches(cfg: BucketConfig) -> int:
-    """Batches per rank a bucket must hold at least. Contiguous chunks (run_mb=0) get 8, else small buckets
-    quantise them into part-full batches; mixed chunks deal at random inside their bucket, so padding depends on
-    the bucket's width, and one batch per rank is enough."""
-    return 8 if cfg.run_mb <= 0 else 1
+UNIT_FILL = 0.96
+"""Mixed chunks: planned audio per batch as a share of max_batch_seconds. Buckets hold whole numbers of such
+batches per rank, and the deal balances batch costs (`_balance`), so batches come out ~0.95 full."""
+
+
+MIN_BUCKET_BATCHES = 2
+"""Batches per rank a bucket holds at least (where the epoch has that many): a bucket of one batch per rank
+would give every rank the same batch-mates every epoch, whatever the deal."""
+
+
+def _bucket_units(total_cost: float, world_size: int, cfg: BucketConfig) -> tuple[int, int]:
+    """(K, k): the epoch holds K batches per rank at ~UNIT_FILL of the budget, and a bucket k of them (the last
+    bucket the remainder), k the fewest that keeps within `num_buckets` buckets, and at least MIN_BUCKET_BATCHES. Why whole batches: a bucket of
+    1.48 batches per rank deals into 2 batches of 74%; bucket edges at whole batches leave only the last bucket
+    part-full. k also sets variety: rows of a bucket meet in a batch with probability ~1/k a uniform shuffle's."""
+    units = max(1, math.ceil(total_cost / (world_size * cfg.max_batch_seconds * UNIT_FILL) - 1e-9))
+    return units, max(min(units, MIN_BUCKET_BATCHES), math.ceil(units / cfg.num_buckets))
 
 
 def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_size: int) -> list[np.ndarray]:
     """Split duration-sorted `rows` into buckets, merging any bucket with fewer than world_size rows.
 
-    Estimated bins are capped so a bucket holds at least eight full batches per rank: chunks are cut inside a
-    bucket, so a small bucket quantises them into part-full batches; more buckets than that does not improve
-    padding either (a chunk is a contiguous run of the duration order whatever the bucket width).
+    Mixed chunks (run_mb > 0): edges where the running budget cost passes each multiple of k batches per rank
+    (`_bucket_units`), so every bucket but the last deals into full batches. Contiguous chunks (run_mb=0):
+    equal-audio bins capped so a bucket holds at least eight batches per rank (chunks are cut inside a bucket, so
+    a small bucket quantises them into part-full batches). `bins_s` overrides both.
     """
     if cfg.bins_s is not None:
-        edges = np.asarray(cfg.bins_s, float)
+        ids = np.searchsorted(np.asarray(cfg.bins_s, float), dur[rows], side="right")
+    elif cfg.run_mb > 0:
+        cum = np.cumsum(cost_s(dur[rows], cfg))
+        units, k = _bucket_units(float(cum[-1]) if len(cum) else 0.0, world_size, cfg)
+        step = float(cum[-1]) / units * k if len(cum) else 1.0
+        ids = np.floor((cum - 0.5 * cost_s(dur[rows], cfg)) / step).astype(np.int64)  # a row goes where its middle is
     else:
-        fill = float(cost_s(dur[rows], cfg).sum()) / (_min_bucket_batches(cfg) * world_size * cfg.max_batch_seconds)
-        edges = estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill))))
+        fill = float(cost_s(dur[rows], cfg).sum()) / (8 * world_size * cfg.max_batch_seconds)
+        ids = np.searchsorted(estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill)))), dur[rows],
+                              side="right")
     if cfg.budget_table is not None:  # no bucket (so no batch) holds lengths of two budget entries
-        edges = np.union1d(edges, np.nextafter(table_edges(cfg), np.inf))
-    ids = np.searchsorted(edges, dur[rows], side="right")
+        t = np.searchsorted(np.nextafter(table_edges(cfg), np.inf), dur[rows], side="right")
+        ids = ids * (len(cfg.budget_table) + 1) + t
     # rows are sorted by duration, so bucket ids are non-decreasing: split at changes
     cuts = np.flatnonzero(np.diff(ids)) + 1
     buckets = [b for b in np.split(rows, cuts) if len(b)]
@@ -321,6 +339,24 @@ def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: Bu
         if fill > best_fill + (0.02 if mixed else 1e-9):
             best_fill, best_n = fill, n
     return best_n
+
+
+def _chunk_shares(c: np.ndarray, nbytes: float, world_size: int, cfg: BucketConfig) -> np.ndarray | None:
+    """Batches of each chunk, for a bucket of whole batches (`_bucket_ranges` with mixed chunks): the bucket's u
+    batches per rank spread over the fewest chunks of <= batches_per_chunk batches and <= chunk_mb (18 -> 4, 4, 4,
+    3, 3), each repeated for the world_size chunks of its group. Chunks are then cut in proportion, so every one
+    deals into full batches. u counts batches of UNIT_FILL, or of what fits where rows are coarse against the
+    budget (15 s rows: 7 to a 120 s batch, 89%). None where buckets are not cut in whole batches (bins_s,
+    padded_budget, run_mb=0). `c`: the bucket's budget costs."""
+    if cfg.run_mb <= 0 or cfg.bins_s is not None or cfg.padded_budget:
+        return None
+    cost, rows, budget = float(c.sum()), len(c), cfg.max_batch_seconds
+    fill = min(UNIT_FILL, (budget // float(c.max())) * float(c.mean()) / budget)
+    units = max(1, math.ceil(cost / (world_size * budget * fill) - 0.02))
+    per_rank = max(math.ceil(units / cfg.batches_per_chunk), math.ceil(nbytes / (cfg.chunk_mb * 1e6) / world_size))
+    per_rank = max(1, min(per_rank, rows // world_size))
+    shares = np.full(per_rank, units // per_rank) + (np.arange(per_rank) < units % per_rank)
+    return np.repeat(np.maximum(shares, 1), world_size).astype(np.float64)
 
 
 def _cut_runs(bucket: np.ndarray, weights: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -388,12 +424,15 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     large sequential one (k = 1 with run_mb=0: n equal-audio pieces, the contiguous layout).
     """
     nbytes = float(idx.size[bucket].sum())
-    n = _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
+    shares = _chunk_shares(costs[bucket], nbytes, world_size, cfg)
+    n = len(shares) if shares is not None else \
+        _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
     n_runs = _run_count(bucket, nbytes, costs, n, cfg)
-    if n_runs > n:  # runs of equal rows in random order, then cut into n chunks of equal audio
+    if n_runs > n or (shares is not None and n > 1):  # runs in random order, cut into n chunks of their shares
         seq, run_of = _shuffled_runs(bucket, n_runs, rng)
         cum = np.cumsum(costs[seq])
-        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left")
+        share = np.cumsum(shares)[:-1] / shares.sum() if shares is not None else np.arange(1, n) / n
+        cuts = np.searchsorted(cum, cum[-1] * share, side="left")
         pieces = list(zip(np.split(seq, cuts), np.split(run_of, cuts)))
     else:  # one run per chunk (ascending: the wrap-around piece's two byte ranges in order)
         runs = _cut_runs(bucket, costs[bucket], n, rng)
@@ -449,6 +488,59 @@ def _batches_needed(rows: np.ndarray, costs: np.ndarray, cfg: BucketConfig) -> i
     return max(m, 1)
 
 
+def _balance(batches: list[np.ndarray], costs: np.ndarray, run_of: dict[int, int] | None, budget: float,
+             tries: int = 64) -> list[np.ndarray] | None:
+    """Swap single rows between the heaviest batch and a lighter one until every batch fits the budget (None if
+    it cannot). A random deal gives equal row counts, not equal seconds: a batch can land a few percent over the
+    mean and cost the whole group one more, part-full batch (the fill lost before whole-batch buckets). A swap
+    keeps both batch sizes, and never puts a row beside a run-mate (`run_of`: row -> run) when another swap
+    would do. A few swaps per chunk, each O(batch rows)."""
+    out = [b.copy() for b in batches]
+    loads = np.array([float(costs[b].sum()) for b in out])
+    for _ in range(tries):
+        h = int(np.argmax(loads))
+        if loads[h] <= budget + 1e-9:
+            return out
+        for lo in np.argsort(loads).tolist():  # the lightest first: the swap that evens the two
+            if lo == h:
+                return None
+            swap = _best_swap(out[h], out[lo], costs, run_of, 0.5 * (loads[h] - loads[lo]), budget - loads[lo])
+            if swap is not None:
+                break
+        else:
+            return None
+        i, k, gain = swap
+        out[h][i], out[lo][k] = out[lo][k], out[h][i]
+        loads[h] -= gain
+        loads[lo] += gain
+    return out if loads.max() <= budget + 1e-9 else None
+
+
+def _best_swap(heavy: np.ndarray, light: np.ndarray, costs: np.ndarray, run_of: dict[int, int] | None,
+               want: float, room: float) -> tuple[int, int, float] | None:
+    """(i, k, seconds moved) of the swap of heavy[i] with light[k] that moves closest to `want` seconds, more
+    than none and at most `room`, run-mates kept apart where possible; None if there is none."""
+    ch, cl = costs[heavy], costs[light]
+    if len(ch) == 0 or len(cl) == 0:
+        return None
+    order = np.argsort(cl)
+    j = np.clip(np.searchsorted(cl[order], ch - want), 0, len(cl) - 1)
+    j = np.where((ch - cl[order][j] > room) & (j + 1 < len(cl)), j + 1, j)  # the next lighter row if too much
+    gain = ch - cl[order][j]
+    bad = (gain <= 1e-12) | (gain > room + 1e-9)
+    if run_of is not None and (~bad).any():
+        runs_lo = {run_of[int(r)] for r in light}
+        runs_h = {run_of[int(r)] for r in heavy}
+        mates = np.array([run_of[int(r)] in runs_lo for r in heavy]) | \
+            np.array([run_of[int(light[order[x]])] in runs_h for x in j])
+        if (~bad & ~mates).any():
+            bad |= mates
+    if bad.all():
+        return None
+    i = int(np.argmin(np.where(bad, np.inf, np.abs(gain - want))))
+    return i, int(order[j[i]]), float(gain[i])
+
+
 def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
                exclude: np.ndarray | None = None) -> EpochPlan:
     """Every rank's batches for one epoch. Pure: the same arguments always give the same plan.
@@ -478,7 +570,14 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
             m = max(_batches_needed(p, costs, cfg) for p, _ in members)
             while True:
                 dealt = [_deal(p, m, rng) if cfg.run_mb <= 0 else deal_runs(p, r, m, rng) for p, r in members]
-                if all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for d in dealt for b in d):
+                fits = [all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for b in d) for d in dealt]
+                if not all(fits) and cfg.run_mb > 0 and not cfg.padded_budget:  # even out seconds, not counts
+                    for i in (i for i, f in enumerate(fits) if not f):
+                        fixed = _balance(dealt[i], costs, dict(zip(members[i][0].tolist(), members[i][1].tolist())),
+                                         cfg.max_batch_seconds)
+                        if fixed is not None:
+                            dealt[i], fits[i] = fixed, True
+                if all(fits):
                     break
                 m += 1
             rot = (g0 // world_size) % world_size  # rotate so no rank always gets a bucket's shortest chunk

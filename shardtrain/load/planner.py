@@ -90,21 +90,31 @@ class RankChunk:
 
 
 class EpochView(Protocol):
-    steps: int
-    rows: int
+    @property
+    def steps(self) -> int:
+        """Batches every rank yields in this epoch."""
 
-    def chunks(self, rank: int, step: int = 0) -> Iterator[RankChunk]: ...
+    @property
+    def rows(self) -> int:
+        """Samples this epoch delivers over all ranks (the skip share's base)."""
+
+    def chunks(self, rank: int, step: int = 0) -> Iterator[RankChunk]:
+        """`rank`'s chunks that end after `step`, in step order (a resume skips the batches before it)."""
 
 
 class Planner(Protocol):
     name: str
+    """"rows" or "blocks" (a mixture's too): kept in the state, a mid-epoch resume needs the same."""
     fingerprint: str
+    """The data's identity (index fingerprint; a mixture's: its datasets' and weights'), checked on resume."""
     data: Shards
     datasets: list[str]
     too_long: int
+    """Utterances left out of every epoch because one alone exceeds its batch budget (counted once an epoch)."""
     sample_rate_hz: int
 
-    def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView: ...
+    def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView:
+        """The plan of `epoch` for `world_size` ranks after the steps of `chain`; pure, so any rank may ask."""
 
     def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset number, dataset row) of every row the epoch holds (a repeated row once per time)."""
@@ -203,10 +213,10 @@ class BlocksEpoch:
 
 def blocks_epoch(blocks: Blocks, cost_of, seed: int, epoch: int, world_size: int, cfg: BucketConfig, chain: Chain,
                  **kw) -> BlocksEpoch:
-    plan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg, chain=chain)
-    consumed = sum(int(steps) for _, steps in chain)  # an estimate is enough: it only scales the skip share
-    rows = int(blocks.rows[~blocks.too_long].sum())
-    return BlocksEpoch(plan, blocks, cost_of, seed, gone, max(rows - consumed, 0) if chain else rows, **kw)
+    plan, gone = block_epoch(blocks, cost_of, seed=seed, epoch=epoch, world_size=world_size, cfg=cfg,
+                             chain=tuple(chain))
+    rows = int(blocks.rows[~blocks.too_long].sum())  # the whole epoch's, re-striped or not (as for rows)
+    return BlocksEpoch(plan, blocks, cost_of, seed, gone, rows, **kw)
 
 
 def open_blocks(ds: Dataset, cfg: StreamConfig) -> tuple[MappedIndex, Blocks]:

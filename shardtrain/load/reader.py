@@ -67,6 +67,50 @@ class ChunkBatches:
     """Seconds spent per stage on this chunk, summed over threads: read, parse, decode, batch."""
 
 
+_JSON = json.JSONDecoder()
+_USTAR_MAGIC = np.frombuffer(b"ustar\x0000", np.uint8)
+_OCTAL = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (329, 337), (337, 345))
+"""mode, uid, gid, size, mtime, devmajor, devminor: "%0*o" digits and a NUL, as tarfile (the writer) makes them."""
+
+
+def _octal(h: np.ndarray, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(value, well formed) per header of the octal digits h[:, a:b] (all '0'-'7')."""
+    d = h[:, a:b].astype(np.int64) - 48
+    good = np.asarray(((d >= 0) & (d <= 7)).all(axis=1))
+    return d @ (8 ** np.arange(b - a - 1, -1, -1, dtype=np.int64)), good
+
+
+def headers_ok(arr: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Bool per header (`offs`: the first byte of each 512-byte header in `arr`): a plain POSIX ustar regular-file
+    header in tarfile's own layout (octal fields of digits and a NUL, or all NUL; checksum "%06o\\0 ", ASCII names, no prefix),
+    with a valid checksum and the size `sizes`. Everything format.tar.parse_header's fast path accepts in that
+    layout, nothing it refuses; False sends a header to the row-by-row check. One [R, 512] array, no loop."""
+    if len(offs) == 0:
+        return np.zeros(0, bool)
+    h = arr[np.asarray(offs, np.int64)[:, None] + np.arange(BLOCK)]
+    ok = (h[:, 257:265] == _USTAR_MAGIC).all(axis=1) & (h[:, 156] == ord("0"))
+    ok &= ~h[:, 157:257].any(axis=1) & ~h[:, 345:500].any(axis=1) & (h[:, :345] < 128).all(axis=1)
+    for a, b in _OCTAL:
+        v, good = _octal(h, a, b - 1)
+        empty = ~h[:, a:b].any(axis=1)  # an all-NUL field reads as 0 (devmajor/devminor of a regular file)
+        ok &= (good & (h[:, b - 1] == 0)) | empty
+        v[empty] = 0
+        if a == 124:
+            ok &= v == np.asarray(sizes, np.int64)
+    chk, good = _octal(h, 148, 154)
+    ok &= good & (h[:, 154] == 0) & (h[:, 155] == 32)
+    return ok & (chk == h.sum(axis=1, dtype=np.int64) - h[:, 148:156].sum(axis=1, dtype=np.int64) + 256)
+
+
+def _strings(col, rows: np.ndarray) -> list[str]:
+    """Rows of a `key`/`text` column: one Arrow take for an Arrow array, else row by row (MappedStrings)."""
+    if hasattr(col, "take"):
+        import pyarrow as pa
+
+        return col.take(pa.array(rows)).to_pylist()
+    return [col[int(r)] for r in rows]
+
+
 def _byte_runs(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int]]:
     """(shard, start, end) byte ranges covering `rows` (ascending), merging rows separated by small gaps."""
     runs: list[list[int]] = []
@@ -120,20 +164,26 @@ class ChunkReader:
             hint = "unexpected storage error"
         return StreamError(f"cannot read shard {url}: {hint}: {e}")
 
-    def _decode(self, buf: memoryview, base: int, have: int, row: int, out: np.ndarray) -> tuple:
+    def _decode(self, buf: memoryview, base: int, have: int, row: int, out: np.ndarray,
+                checked: tuple[str, str, str | None, float] | None = None) -> tuple:
         """Decode one row of a run's bytes straight into `out` (its zeroed row of the padded batch).
 
         Returns (key, text, samples written, error or None, parse s, decode s). Before decoding, what was read
-        is checked against the index (`_check_row`): both ustar headers (checksum, regular member, name =
-        index key, size = index size) and the json (bounded parse, text and num_samples = the index's). A
-        stale, foreign or tampered shard then costs a counted skip, never a wrong sample. The key reported is
-        the index's (checked on open), so nothing from the shard's bytes reaches logs or state unescaped.
-        Decoding into the batch row saves the int16 intermediate and a copy.
+        is checked against the index: both ustar headers (checksum, regular member, name = index key, size =
+        index size) and the json (bounded parse, text and num_samples = the index's), by `_check_rows` for a whole
+        piece of a run (`checked`: its verdict and seconds per row) or here by `_check_row`. A stale, foreign or
+        tampered shard then costs a counted skip, never a wrong sample. The key reported is the index's (checked
+        on open), so nothing from the shard's bytes reaches logs or state unescaped. Decoding into the batch row
+        saves the int16 intermediate and a copy.
         """
         t0 = time.perf_counter()
-        key, text, err = self._check_row(buf, base, have, row)
+        if checked is None:
+            key, text, err = self._check_row(buf, base, have, row)
+            t_parse = time.perf_counter() - t0
+        else:
+            key, text, err, t_parse = checked
         if err is not None:
-            return key, "", 0, err, time.perf_counter() - t0, 0.0
+            return key, "", 0, err, t_parse, 0.0
         idx = self.idx
         a0, a_len = int(idx.audio_offset[row]) - base, int(idx.audio_size[row])
         t1 = time.perf_counter()
@@ -141,11 +191,54 @@ class ChunkReader:
         try:
             got = decode_into(buf[a0:a0 + a_len], out)
         except AudioError as e:
-            return key, text, 0, f"decode_error: {show(str(e), 200)}", t1 - t0, time.perf_counter() - t1
+            return key, text, 0, f"decode_error: {show(str(e), 200)}", t_parse, time.perf_counter() - t1
         t2 = time.perf_counter()
         if got < want:
-            return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated audio)", t1 - t0, t2 - t1
-        return key, text, got, None, t1 - t0, t2 - t1
+            return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated audio)", t_parse, t2 - t1
+        return key, text, got, None, t_parse, t2 - t1
+
+    def _check_rows(self, buf: memoryview, base: int, have: int, rows: list[int]) -> list[tuple]:
+        """`_check_row`'s verdicts for many rows of one run at once, the costly parts over numpy arrays.
+
+        The ustar headers the writer makes (`headers_ok`: every header of the piece in one [2R, 512] array) and
+        the keys and transcripts (one Arrow `take`) are checked for all rows together; the json is parsed per row
+        (bounded, as before). A row whose headers are anything else (another writer's, damaged) goes through
+        `_check_row`, so every verdict and message is the same as row by row. Measured on the 4k benchmark
+        corpus: ~58 us a row row by row, ~25 us here (GIL-held time that the decode threads wait on)."""
+        idx = self.idx
+        if idx.key is None or not rows:
+            return [self._check_row(buf, base, have, r) for r in rows]
+        r = np.asarray(rows, np.int64)
+        a0, a_len = idx.audio_offset[r] - base, idx.audio_size[r]
+        j0, j_len = idx.json_offset[r] - base, idx.json_size[r]
+        inside = (a0 >= BLOCK) & (j0 >= BLOCK) & (a0 + a_len <= have) & (j0 + j_len <= have) & (j_len <= MAX_JSON_BYTES)
+        ok = inside.copy()
+        if inside.any():
+            arr = np.frombuffer(buf, np.uint8, count=have)
+            w = np.flatnonzero(inside)
+            ok[w] = headers_ok(arr, np.concatenate([a0[w], j0[w]]) - BLOCK, np.concatenate([a_len[w], j_len[w]])) \
+                .reshape(2, -1).all(axis=0)
+        keys = _strings(idx.key, r)
+        texts = _strings(idx.text, r) if idx.text is not None else None
+        out: list[tuple] = []
+        for i, row in enumerate(rows):
+            if not ok[i]:
+                out.append(self._check_row(buf, base, have, row))
+                continue
+            key = keys[i]
+            a, j = int(a0[i]), int(j0[i])
+            stem, _, ext = bytes(buf[a - BLOCK:a - BLOCK + 100]).split(b"\0", 1)[0].decode().rpartition(".")
+            jname = bytes(buf[j - BLOCK:j - BLOCK + 100]).split(b"\0", 1)[0].decode()
+            if stem != key or ext not in CODECS or jname != f"{key}.json":
+                out.append(self._check_row(buf, base, have, row))  # the message names both members
+                continue
+            try:  # UTF-8 straight to the decoder (json.loads sniffs the encoding first); anything else row by row
+                meta = _JSON.decode(bytes(buf[j:j + int(j_len[i])]).decode("utf-8"))
+            except (ValueError, RecursionError):
+                out.append(self._check_row(buf, base, have, row))
+                continue
+            out.append((key, *self._meta_verdict(meta, row, texts[i] if texts else None)))
+        return out
 
     def _check_row(self, buf: memoryview, base: int, have: int, row: int) -> tuple[str, str, str | None]:
         """(key, text, error or None) for one row: its bytes present, headers and json as the index says."""
@@ -171,23 +264,34 @@ class ChunkReader:
             key = stem
         if stem != key or ext not in CODECS or names[1] != f"{key}.json":
             return key, "", f"index_mismatch: members {show(names[0])}, {show(names[1])} are not sample {key!r}"
+        return (key, *self._check_json(buf, j0, j_len, row,
+                                       idx.string_at("text", row) if idx.text is not None else None))
+
+    def _check_json(self, buf: memoryview, j0: int, j_len: int, row: int,
+                    want_text: str | None) -> tuple[str, str | None]:
+        """(text, error or None) of a row's `<key>.json` (already bounded by MAX_JSON_BYTES): parsed, its text
+        and num_samples the index's (`want_text`: the index's transcript, when held)."""
         try:
             meta = json.loads(bytes(buf[j0:j0 + j_len]))
         except RecursionError:
-            return key, "", "bad_json: nested too deeply"
+            return "", "bad_json: nested too deeply"
         except ValueError as e:  # UnicodeDecodeError is a ValueError
-            return key, "", f"bad_json: {show(str(e), 120)}"
+            return "", f"bad_json: {show(str(e), 120)}"
+        return self._meta_verdict(meta, row, want_text)
+
+    def _meta_verdict(self, meta: Any, row: int, want_text: str | None) -> tuple[str, str | None]:
         text = meta.get("text", "") if isinstance(meta, dict) else None
         if not isinstance(text, str):
-            return key, "", "bad_json: no text string in the sample's json"
-        if idx.text is not None and text != idx.string_at("text", row):
-            return key, "", "index_mismatch: the json transcript differs from the index's"
-        if meta.get("num_samples", int(idx.num_samples[row])) != int(idx.num_samples[row]):
-            return key, "", f"index_mismatch: json num_samples {show(meta.get('num_samples'))} != index"
-        return key, text, None
+            return "", "bad_json: no text string in the sample's json"
+        if want_text is not None and text != want_text:
+            return "", "index_mismatch: the json transcript differs from the index's"
+        ns = int(self.idx.num_samples[row])
+        if meta.get("num_samples", ns) != ns:
+            return "", f"index_mismatch: json num_samples {show(meta.get('num_samples'))} != index"
+        return text, None
 
     def _decode_rows(self, buf: memoryview, base: int, have: int, rows: list) -> list[tuple[int, tuple]]:
-        return [(r, self._decode(buf, base, have, r, out)) for r, out in rows]
+        return [(r, self._decode(buf, base, have, r, out, chk)) for r, out, chk in rows]
 
     def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, as_float: bool,
              order: int = 0) -> ChunkBatches:
@@ -243,9 +347,20 @@ class ChunkReader:
                     r = int(run_rows[nxt])
                     ready.append((r, slot[r]))
                     nxt += 1
-                for g in range(0, len(ready), ROWS_PER_TASK):
+                if not ready:
+                    continue
+                t0 = time.perf_counter()
+                checks = self._check_rows(view, start, end - start, [r for r, _ in ready])
+                per_row = (time.perf_counter() - t0) / len(ready)
+                todo = []
+                for (r, out), (key, text, err) in zip(ready, checks):
+                    if err is None:
+                        todo.append((r, out, (key, text, None, per_row)))
+                    else:  # a failed check: no decode task
+                        results[r] = (key, "", 0, err, per_row, 0.0)
+                for g in range(0, len(todo), ROWS_PER_TASK):
                     futures.append(self.decode_pool.submit(order, self._decode_rows, view, start, end - start,
-                                                           ready[g:g + ROWS_PER_TASK]))
+                                                           todo[g:g + ROWS_PER_TASK]))
         except OSError as e:  # transient errors were retried in storage: this one stops the stream
             raise self._read_failed(shard, e) from e
         for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
