@@ -17,7 +17,7 @@ Why an object and not flock: the output is often an S3 prefix, where only the ob
   same If-None-Match create as above: one creator per stale token), re-reads the lock (still the stale one?),
   overwrites it, reads it back, then deletes its claim. The others fail to create the claim and are refused,
   naming the new holder. Why not If-Match on the lock itself: conditional PUT/DELETE on an ETag is newer and
-  not universal among S3 servers (tests/test_trust_local.py probes what SeaweedFS does); If-None-Match is
+  not universal among S3 servers (tests/storage/test_trust_local.py probes what SeaweedFS does); If-None-Match is
   the one primitive both SeaweedFS and AWS honour, and the claim needs nothing else. A claim left by a process
   killed mid-takeover blocks takeovers of that one stale lock; the message names both objects to delete.
   A lock left by a crash on another host must be removed by hand (the message says which object).

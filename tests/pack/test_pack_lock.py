@@ -23,7 +23,7 @@ from shardtrain.pack.verify import verify
 from shardtrain.storage.lock import LOCK_NAME, LockHeld, acquire_lock
 from shardtrain.testing.corpus import make_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pack(corpus, out, **kw):

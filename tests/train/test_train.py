@@ -190,7 +190,7 @@ while True:
 
 
 def test_sigkill_during_saves_never_leaves_a_visible_partial_checkpoint(tmp_path):
-    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).resolve().parent), root=str(tmp_path))
     for delay_s in (0.7, 1.3):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"

@@ -22,7 +22,7 @@ from shardtrain.format.safe import printable
 from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.testing.corpus import make_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DURS = [0.5, 0.6, 0.7, 0.8, 0.9, 0.65, 0.75, 0.85]  # all under 1 s: the old "+1 s" bound let every one through
 
 

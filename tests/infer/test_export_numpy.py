@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 FIT = '''
 import dataclasses, sys

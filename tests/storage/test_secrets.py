@@ -15,7 +15,7 @@ from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.storage.redact import RedactingFilter, redact_options, redact_text, redact_url, register_secret
 from shardtrain.testing.corpus import make_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_redaction_of_options_urls_and_log_lines():

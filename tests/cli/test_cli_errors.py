@@ -9,7 +9,7 @@ from pathlib import Path
 from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.testing.corpus import make_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_missing_shard_is_one_line_and_exit_1(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from shardtrain import faults
 from shardtrain.testing.corpus import make_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
