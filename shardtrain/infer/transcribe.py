@@ -67,7 +67,7 @@ class TranscribeConfig:
     the samples and activations held at once, whatever the file's length (a 2 h file: 240 windows)."""
     progress: bool = True
     """tqdm bar over audio seconds (only when stderr is a terminal)."""
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)  # may hold keys: never in a repr
     """fsspec options for s3:// datasets."""
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ reads is a new planner, never a second loader.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -52,7 +52,7 @@ class Shards:
     """Every dataset's shards in order (named `d<i>/<name>` in a mixture: names are unique per dataset only)."""
     base: np.ndarray
     """Global id of each dataset's first shard."""
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)  # may hold keys: never in a repr
 
     @classmethod
     def of(cls, parts: Sequence[Dataset], storage_options: dict | None) -> "Shards":

@@ -31,7 +31,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardtrain.storage import fs as _fs
 
@@ -49,7 +49,7 @@ class OutputLock:
     url: str
     """The lock object's URL."""
     token: str
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)  # may hold keys: never in a repr
 
     def release(self) -> None:
         """Delete the lock if it is still ours (a lock taken over meanwhile is left to its new holder)."""
