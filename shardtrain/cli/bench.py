@@ -3,6 +3,8 @@ so the `load` room never imports `train`.
 """
 from __future__ import annotations
 
+import sys
+
 from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options
 from shardtrain.format.safe import printable
 

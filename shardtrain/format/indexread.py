@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
+from shardtrain.format.arrownp import filled, numpy_of
 from shardtrain.format.validate import DatasetError
 
 MAX_STRING_BYTES = {"key": 80, "codec": 16, "text": 64 << 10, "speaker": 1024, "language": 64, "source": 4096}
@@ -101,10 +102,10 @@ def _bounded_strings(col: pa.ChunkedArray, name: str, where: str) -> pa.ChunkedA
         if dictionary:
             if len(chunk.dictionary) == 0:
                 continue
-            lengths = pc.binary_length(chunk.dictionary).to_numpy(zero_copy_only=False).astype(np.int64)
-            used = lengths[pc.fill_null(chunk.indices, 0).to_numpy(zero_copy_only=False)]
+            lengths = numpy_of(pc.binary_length(chunk.dictionary)).astype(np.int64)
+            used = lengths[numpy_of(filled(chunk.indices, 0))]
         else:  # already plain (read without read_dictionary): its bytes are in memory, still bound what follows
-            used = pc.fill_null(pc.binary_length(chunk), 0).to_numpy(zero_copy_only=False)
+            used = numpy_of(filled(pc.binary_length(chunk), 0))
         if used.max(initial=0) > limit:
             row = int(np.argmax(used > limit))
             raise DatasetError(f"{where}: column {name} holds a {int(used[row])}-byte value (row {row} of a "

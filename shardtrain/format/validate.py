@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from shardtrain.format.arrownp import filled, numpy_of
+
 BLOCK = 512
 SHARD_NAME_RE = re.compile(r"shard-[0-9]{6,9}\.tar")
 INDEX_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}\.parquet")
@@ -164,7 +166,7 @@ def _col(table, name: str, dtype) -> np.ndarray | None:
     if col.null_count:
         raise DatasetError(f"index.parquet: column {name} has {col.null_count} null values")
     try:
-        return np.asarray(col.to_numpy(zero_copy_only=False), dtype=dtype)
+        return np.asarray(numpy_of(col), dtype=dtype)
     except (TypeError, ValueError) as e:
         raise DatasetError(f"index.parquet: column {name} is not numeric ({show(str(e))})") from None
 
@@ -191,7 +193,7 @@ def check_index(table, shard_bytes: list[int], shard_samples: list[int] | None, 
         import pyarrow.compute as pc
 
         keys = table.column("key")
-        ok = pc.fill_null(pc.match_substring_regex(keys, KEY_PATTERN), False).to_numpy(zero_copy_only=False)
+        ok = numpy_of(filled(pc.match_substring_regex(keys, KEY_PATTERN), False))
         _fail(table, f"key must match {KEY_PATTERN}", ~ok, {}, first_row=first_row)
         if shard_samples is not None and len(pc.unique(keys)) != len(keys):
             raise DatasetError("index.parquet: column key holds duplicate keys")

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from shardtrain.format.arrownp import numpy_of
 from shardtrain.format.manifest import open_dataset
 from shardtrain.load.blockplan import Blocks
 from shardtrain.load.config import StreamConfig
@@ -81,7 +82,7 @@ class MixturePlanner:
         else:
             checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
             tables = [d.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks]) for d in parts]
-            rates = {r for t in tables for r in np.unique(t.column("sample_rate_hz").to_numpy()).tolist()}
+            rates = {r for t in tables for r in np.unique(numpy_of(t.column("sample_rate_hz"))).tolist()}
             self.indexes = [PlanIndex.from_table(t) for t in tables]
             prints = [ix.fingerprint() for ix in self.indexes]
             mask = [cost_s(ix.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds for ix in self.indexes]

@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 import numpy.random  # noqa: F401 - numpy 2 imports it lazily on first use, inside the first plan
 
+from shardtrain.format.arrownp import numpy_of
+
 FILL_TARGET = 0.95
 """Planned chunk audio per batch, as a share of max_batch_seconds."""
 
@@ -165,7 +167,7 @@ class PlanIndex:
 
     @classmethod
     def from_table(cls, table) -> "PlanIndex":
-        col = lambda n, t: np.asarray(table.column(n).to_numpy(zero_copy_only=False), dtype=t)  # noqa: E731
+        col = lambda n, t: np.asarray(numpy_of(table.column(n)), dtype=t)  # noqa: E731 - no pandas import
         opt = lambda n: table.column(n).combine_chunks() if n in table.column_names else None  # noqa: E731
         return cls(
             shard=col("shard", np.int32), offset=col("offset", np.int64), size=col("size", np.int64),

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from shardtrain.format.arrownp import numpy_of
 from shardtrain.format.manifest import Dataset, ShardInfo, open_dataset
 from shardtrain.load.blockplan import Blocks, BlockPlan, block_epoch, block_shape, chunks_from
 from shardtrain.load.config import StreamConfig, refuse_ignored_fields
@@ -169,7 +170,7 @@ class RowsPlanner:
     def __init__(self, ds: Dataset, cfg: StreamConfig, seed: int, storage_options: dict | None):
         checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
         table = ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
-        self.sample_rate_hz = _one_rate(ds.url, np.unique(table.column("sample_rate_hz").to_numpy()))
+        self.sample_rate_hz = _one_rate(ds.url, np.unique(numpy_of(table.column("sample_rate_hz"))))
         self.idx = PlanIndex.from_table(table)
         self.fingerprint = self.idx.fingerprint()
         self.bucket, self.seed = cfg.bucket, seed

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from shardtrain import storage
+from shardtrain.format.arrownp import arrow_of
 from shardtrain.format.audio import AudioError, decode_into
 from shardtrain.format.codecs import CODECS
 from shardtrain.format.manifest import Dataset
@@ -105,9 +106,7 @@ def headers_ok(arr: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> np.ndarr
 def _strings(col, rows: np.ndarray) -> list[str]:
     """Rows of a `key`/`text` column: one Arrow take for an Arrow array, else row by row (MappedStrings)."""
     if hasattr(col, "take"):
-        import pyarrow as pa
-
-        return col.take(pa.array(rows)).to_pylist()
+        return col.take(arrow_of(rows)).to_pylist()
     return [col[int(r)] for r in rows]
 
 

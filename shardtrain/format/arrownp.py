@@ -1,0 +1,53 @@
+"""Arrow columns as numpy arrays without pyarrow's lazy pandas import.
+
+Why: the first `Array.to_numpy()` of a process makes pyarrow import pandas (0.3-1.7 s measured here, more than
+everything else the loader does before its first batch). Index columns are numeric without nulls, so their
+values are one plain buffer per chunk, read here with numpy directly. What cannot be read that way (nulls,
+strings, other types) falls back to `to_numpy`. Cost: one copy of the column (its width a row).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+_DTYPES = {"int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint8": np.uint8,
+           "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "float": np.float32,
+           "double": np.float64}
+
+
+def numpy_of(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A numeric or boolean Arrow column without nulls as a writable numpy array (other columns: to_numpy)."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    name = str(col.type)
+    if any(c.null_count for c in chunks) or (name != "bool" and name not in _DTYPES):
+        return np.asarray(col.to_numpy(zero_copy_only=False))
+    parts = []
+    for c in chunks:
+        if len(c) == 0:
+            continue
+        buf = c.buffers()[1]
+        if name == "bool":  # bit-packed, least significant bit first
+            bits = np.unpackbits(np.frombuffer(buf, np.uint8), bitorder="little")
+            parts.append(bits[c.offset:c.offset + len(c)].astype(bool))
+        else:
+            dtype = np.dtype(_DTYPES[name])
+            parts.append(np.frombuffer(buf, dtype, count=len(c), offset=c.offset * dtype.itemsize))
+    if not parts:
+        return np.zeros(0, bool if name == "bool" else _DTYPES[name])
+    return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
+
+def filled(arr, value):
+    """`arr` with nulls replaced by `value`; without nulls `arr` itself (pyarrow.compute.fill_null builds a
+    scalar, which imports pandas on first use)."""
+    if arr.null_count == 0:
+        return arr
+    import pyarrow.compute as pc
+
+    return pc.fill_null(arr, value)
+
+
+def arrow_of(values: np.ndarray) -> pa.Array:
+    """An int64 numpy array as an Arrow array over the same bytes (pa.array(numpy) imports pandas on first use)."""
+    v = np.ascontiguousarray(values, np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(v), [None, pa.py_buffer(v)])
