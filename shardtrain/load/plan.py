@@ -304,20 +304,27 @@ def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_s
         fill = float(cost_s(dur[rows], cfg).sum()) / (8 * world_size * cfg.max_batch_seconds)
         ids = np.searchsorted(estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill)))), dur[rows],
                               side="right")
+    entry = np.zeros(len(rows), np.int64)
     if cfg.budget_table is not None:  # no bucket (so no batch) holds lengths of two budget entries
-        t = np.searchsorted(np.nextafter(table_edges(cfg), np.inf), dur[rows], side="right")
-        ids = ids * (len(cfg.budget_table) + 1) + t
+        entry = np.searchsorted(np.nextafter(table_edges(cfg), np.inf), dur[rows], side="right")
+        ids = ids * (len(cfg.budget_table) + 1) + entry
     # rows are sorted by duration, so bucket ids are non-decreasing: split at changes
     cuts = np.flatnonzero(np.diff(ids)) + 1
     buckets = [b for b in np.split(rows, cuts) if len(b)]
+    entries = [int(e[0]) for e in np.split(entry, cuts) if len(e)]
+    # a bucket with fewer rows than ranks joins its neighbour, never across a budget-table edge (a batch's budget
+    # is its longest utterance's entry, so mixing entries could overrun it); one left alone deals short batches
     merged: list[np.ndarray] = []
-    for b in buckets:
-        if merged and len(merged[-1]) < world_size:
+    kinds: list[int] = []
+    for b, e in zip(buckets, entries):
+        if merged and len(merged[-1]) < world_size and kinds[-1] == e:
             merged[-1] = np.concatenate([merged[-1], b])
         else:
             merged.append(b)
-    if len(merged) > 1 and len(merged[-1]) < world_size:
+            kinds.append(e)
+    if len(merged) > 1 and len(merged[-1]) < world_size and kinds[-2] == kinds[-1]:
         tail = merged.pop()
+        kinds.pop()
         merged[-1] = np.concatenate([merged[-1], tail])
     return merged
 
@@ -577,7 +584,8 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
                     for i in (i for i, f in enumerate(fits) if not f):
                         fixed = _balance(dealt[i], costs, dict(zip(members[i][0].tolist(), members[i][1].tolist())),
                                          cfg.max_batch_seconds)
-                        if fixed is not None:
+                        if fixed is not None and all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9
+                                                     for b in fixed):  # the budget is checked, never assumed
                             dealt[i], fits[i] = fixed, True
                 if all(fits):
                     break
