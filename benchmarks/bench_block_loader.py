@@ -1,4 +1,4 @@
-"""The Loader at scale (issue 11.4): `stream.planner` rows vs blocks through the Loader's own code path.
+"""The Loader at scale: `stream.planner` rows vs blocks through the Loader's own code path.
 
     synthetic dataset of N rows: index.parquet with every column (INDEX_SCHEMA, 131k-row groups, keys and
     LibriSpeech-length transcripts) + manifest.json with its ~256 MB shards; no audio (planning never reads it)

@@ -1,4 +1,4 @@
-"""Loader throughput (issue 3): shardtrain vs a plain webdataset pipeline vs the decode-only limit, same shards.
+"""Loader throughput: shardtrain vs a plain webdataset pipeline vs the decode-only limit, same shards.
 
     corpus (espeak-ng speech, or --corpus tone) -> `shardtrain pack` (16 MB shards; cached in --work-dir)
     decode-only limit: every shard read + every FLAC member decoded to int16, one process per core, with

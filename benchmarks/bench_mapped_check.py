@@ -1,4 +1,4 @@
-"""What the memory-mapped index's check at open costs (issue 21): ms per million rows, against the open itself.
+"""What the memory-mapped index's check at open costs: ms per million rows, against the open itself.
 
     synthetic dataset of N rows (shardtrain.testing.indexes: every index column, LibriSpeech-length transcripts)
       -> open_mapped once (build, timed)

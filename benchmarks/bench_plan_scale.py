@@ -1,4 +1,4 @@
-"""Scale check (issue 6): planning time and memory vs corpus size, index read cost, real-audio loader throughput.
+"""Scale check: planning time and memory vs corpus size, index read cost, real-audio loader throughput.
 
     synthetic index rows (1k, 10k, 100k, 1M; LibriSpeech-like durations, 256 MB shards), numpy -> PlanIndex
       -> plan_epoch(world_size 1 and 64): wall s (median of --repeats), numpy/Python heap peak (tracemalloc),

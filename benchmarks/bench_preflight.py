@@ -1,4 +1,4 @@
-"""`shardtrain plan` at scale and the ledger's cost (issue 24).
+"""`shardtrain plan` at scale and the ledger's cost.
 
     plan: a simulated blocks planner (the real BlocksEpoch over a synthetic duration-sorted index of N rows,
           LibriSpeech-like durations, 256 MB shards; no files) -> load/preflight.py's figures for 1,024 ranks on

@@ -1,10 +1,10 @@
-"""Shuffle quality (issue 11): how much batch composition changes between epochs, beside padding and read size.
+"""Shuffle quality: how much batch composition changes between epochs, beside padding and read size.
 
     index of a packed corpus (default: the 4,000-utterance espeak-ng benchmark corpus, cached in --work-dir)
       -> shardtrain plans for epochs 0..E-1 (plan_epoch, world size --world-size; metadata only, no audio)
       -> the same epochs for: the uniform in-bucket reference (every bucket of shardtrain's plan shuffled
-         uniformly and split into the same number of batches), shardtrain without mixing (run_mb=0, the planner
-         before issue 11), and lhotse DynamicBucketingSampler (dummy cuts with the same durations)
+         uniformly and split into the same number of batches), shardtrain without mixing (run_mb=0: contiguous
+         chunks), and lhotse DynamicBucketingSampler (dummy cuts with the same durations)
       -> pair repeat rate: of the utterance pairs sharing a batch in epoch e, the share sharing one again in e+1
          (mean over consecutive epochs); identical batches; padding efficiency (real / padded audio); audio s per
          batch; reads per batch and MB per read (shardtrain's byte runs, the reader's 1 MB gap merging)
@@ -192,7 +192,7 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
 
 def throughput(ds: str, args: argparse.Namespace, url: str, storage_options: dict | None) -> list[dict]:
     """Loaders alternated --repeats times (the order reversed every other repeat) beside the decode-only limit
-    (all cores, no batching) of the same shards: this checkout's default, its run_mb=0 planner (before issue 11),
+    (all cores, no batching) of the same shards: this checkout's default, its run_mb=0 planner (contiguous chunks),
     each --variant of this checkout, and the default loader of each --baseline-tree (another checkout's
     `shardtrain` first on PYTHONPATH: an A/B against an older commit on the same corpus in one run).
     `url`/`storage_options`: where the loaders read (the dataset itself, or its copy on a local SeaweedFS)."""
@@ -200,7 +200,7 @@ def throughput(ds: str, args: argparse.Namespace, url: str, storage_options: dic
     loaders: list[tuple[str, dict, dict, str | None]] = [
         ("shardtrain (default)", {"batches_per_chunk": k} if k else {}, {}, None)]
     if not args.no_contiguous:
-        loaders.append(("shardtrain run_mb=0 (before issue 11)", {"run_mb": 0.0, "batches_per_chunk": 1}, {}, None))
+        loaders.append(("shardtrain run_mb=0 (contiguous chunks)", {"run_mb": 0.0, "batches_per_chunk": 1}, {}, None))
     vt = str(args.variant_tree) if args.variant_tree else None
     loaders += [(label, b, s, vt) for label, b, s in map(parse_variant, args.variant)]
     loaders += [(f"default of {t}", {}, {}, str(t)) for t in args.baseline_tree]
@@ -276,7 +276,7 @@ def measure(args: argparse.Namespace) -> dict:
         log.info("%s", rows[-1])
 
     configs = [("shardtrain (default)", base),
-               ("shardtrain run_mb=0 (before issue 11)", dataclasses.replace(base, run_mb=0.0, batches_per_chunk=1))]
+               ("shardtrain run_mb=0 (contiguous chunks)", dataclasses.replace(base, run_mb=0.0, batches_per_chunk=1))]
     configs += [(f"shardtrain batches_per_chunk={k}", dataclasses.replace(base, batches_per_chunk=k))
                 for k in args.batches_per_chunk if k != base.batches_per_chunk]
     configs += [(f"shardtrain min_run_mb={mb:g}", dataclasses.replace(base, min_run_mb=mb))

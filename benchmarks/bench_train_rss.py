@@ -1,4 +1,4 @@
-"""Trainer RSS over a long tiny run (issue 15): glibc's default heap against the bounded one `shardtrain train` sets.
+"""Trainer RSS over a long tiny run: glibc's default heap against the bounded one `shardtrain train` sets.
 
     tone corpus (make_corpus, 2-16 s utterances) -> `shardtrain pack` (local, cached in --work-dir)
     for heap in (glibc default, bounded = cli._bound_malloc_heap: mmap threshold fixed at 1 MB):

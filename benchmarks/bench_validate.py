@@ -1,4 +1,4 @@
-"""What checking untrusted metadata costs the loader at start-up (issue 16), on a synthetic index.
+"""What checking untrusted metadata costs the loader at start-up, on a synthetic index.
 
     synthetic index of N rows (bench_plan_scale.synthetic_columns + keys + ~90-char transcripts) -> index.parquet
       -> read the loader's columns without checks (the peer), with checks (Dataset.read_index),

@@ -1,4 +1,4 @@
-"""Side by side (issue 6): shardtrain vs webdataset vs lhotse Shar, same audio, same workers, local disk and S3.
+"""Side by side: shardtrain vs webdataset vs lhotse Shar, same audio, same workers, local disk and S3.
 
     corpus (espeak-ng speech, 1-7 s) -> `shardtrain pack` (16 MB shards) and `CutSet.to_shar` (same shard count,
     FLAC); both cached in --work-dir, so a rerun measures only the loaders

@@ -20,9 +20,9 @@ def test_bench_shuffle_reports_every_sampler(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {r["sampler"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) >= {"shardtrain (default)", "uniform shuffle in shardtrain's buckets",
-                         "shardtrain run_mb=0 (before issue 11)", "lhotse DynamicBucketingSampler (30 buckets)"}
+                         "shardtrain run_mb=0 (contiguous chunks)", "lhotse DynamicBucketingSampler (30 buckets)"}
     assert all(0 <= r["pair_repeat_rate"] <= 1 and 0 < r["padding_efficiency"] <= 1 for r in rows.values())
-    assert rows["shardtrain (default)"]["pair_repeat_rate"] < rows["shardtrain run_mb=0 (before issue 11)"]["pair_repeat_rate"]
+    assert rows["shardtrain (default)"]["pair_repeat_rate"] < rows["shardtrain run_mb=0 (contiguous chunks)"]["pair_repeat_rate"]
     assert "| shardtrain (default) |" in res.stdout
 
 
