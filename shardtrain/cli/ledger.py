@@ -89,14 +89,9 @@ def _cmd_ledger(args) -> int:
     return 1 if broken else 0
 
 
-def printable(text: str) -> str:
-    """Data-derived text safe for a terminal: as is when printable, else escaped (control characters shown)."""
-    from shardtrain.format.validate import show
-
-    return text if text.isprintable() else show(text, 200)
-
-
 def _print_report(r: dict) -> None:
+    from shardtrain.format.safe import printable
+
     print(f"run {printable(r['run'])}: {r['steps']} steps in {len(r['attempts'])} attempt(s): " +
           ", ".join(f"from step {a['start_step']} on {a['world_size']} rank(s)" for a in r["attempts"]))
     for line in r["replaced"]:
