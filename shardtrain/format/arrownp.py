@@ -4,11 +4,15 @@ Why: the first `Array.to_numpy()` of a process makes pyarrow import pandas (0.3-
 everything else the loader does before its first batch). Index columns are numeric without nulls, so their
 values are one plain buffer per chunk, read here with numpy directly. What cannot be read that way (nulls,
 strings, other types) falls back to `to_numpy`. Cost: one copy of the column (its width a row).
+
+pyarrow.compute is imported here, at import time, not on first use: its ~70 ms import would otherwise land on
+the loader's first batch (the index checks use it).
 """
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 _DTYPES = {"int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint8": np.uint8,
            "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "float": np.float32,
@@ -42,8 +46,6 @@ def filled(arr, value):
     scalar, which imports pandas on first use)."""
     if arr.null_count == 0:
         return arr
-    import pyarrow.compute as pc
-
     return pc.fill_null(arr, value)
 
 

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from shardtrain.format.arrownp import filled, numpy_of
+from shardtrain.format.arrownp import filled, numpy_of, pc
 from shardtrain.format.validate import DatasetError
 
 MAX_STRING_BYTES = {"key": 80, "codec": 16, "text": 64 << 10, "speaker": 1024, "language": 64, "source": 4096}
@@ -89,8 +89,6 @@ def check_footer(pf, rows: int, columns: Sequence[str], where: str) -> None:
 def _bounded_strings(col: pa.ChunkedArray, name: str, where: str) -> pa.ChunkedArray:
     """A dictionary-encoded string column -> plain strings, after checking the length of every value in use and
     the column's total against MAX_STRING_BYTES / MEAN_STRING_BYTES (computed on the dictionary: no expansion)."""
-    import pyarrow.compute as pc
-
     dictionary = pa.types.is_dictionary(col.type)
     if not _is_string(col.type):
         return col

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from shardtrain.format.arrownp import filled, numpy_of
+from shardtrain.format.arrownp import filled, numpy_of, pc
 
 BLOCK = 512
 SHARD_NAME_RE = re.compile(r"shard-[0-9]{6,9}\.tar")
@@ -190,8 +190,6 @@ def check_index(table, shard_bytes: list[int], shard_samples: list[int] | None, 
     first row is `first_row`, and the whole-table checks (rows per shard, unique keys) are the caller's."""
     names = set(table.column_names)
     if "key" in names:
-        import pyarrow.compute as pc
-
         keys = table.column("key")
         ok = numpy_of(filled(pc.match_substring_regex(keys, KEY_PATTERN), False))
         _fail(table, f"key must match {KEY_PATTERN}", ~ok, {}, first_row=first_row)

@@ -1,21 +1,10 @@
-"""Reading and decoding one planned chunk: ranged reads by index offsets, no tar parsing, decode in threads.
-
-    Chunk(rows) -> byte runs (shard, start, end), neighbours within 1 MB merged -> storage.read_range
-      (retry + resume at the byte reached; optional whole-shard LRU cache for remote datasets)
-      -> per row: ustar header name check, json text, libsndfile decode into its batch row (thread pool, no GIL)
-      -> ChunkBatches: per batch padded PCM [B, T] (float32 in-process, int16 from worker processes)
-
-Errors never stop the stream unless `strict`: a sample that fails is recorded with its key and reason
-(decode_error, truncated_shard, index_mismatch, bad_json) and left out of its batch; a failed read raises.
-"""
+"""OldestFirstPool: the decode threads of one reader, which always take a row of the oldest chunk in flight first."""
 from __future__ import annotations
 
 import itertools
 import queue
 import threading
 from concurrent.futures import Future
-
-
 
 
 class OldestFirstPool:

@@ -29,6 +29,7 @@ from shardtrain.format.codecs import CODECS
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.tar import BLOCK, KEY_RE, parse_header
 from shardtrain.format.validate import MAX_JSON_BYTES, show
+from shardtrain.load.buffers import BatchBuffers
 from shardtrain.load.plan import Chunk, PlanIndex
 from shardtrain.load.pool import OldestFirstPool
 from shardtrain.storage.cache import ShardCache
@@ -128,23 +129,27 @@ class ChunkReader:
     def __init__(self, ds: Dataset, idx: PlanIndex, cfg: StreamConfig):
         self.ds, self.idx, self.cfg = ds, idx, cfg
         self.decode_pool = OldestFirstPool(cfg.decode_threads, "decode")
+        self.buffers = BatchBuffers(keep=(cfg.prefetch_chunks + 1) * cfg.bucket.batches_per_chunk + 4)
+        """Batches and run buffers: what is in flight plus the trainer's batch and the runs being decoded."""
         self.io_pool = ThreadPoolExecutor(cfg.prefetch_chunks, thread_name_prefix="read")
         self.cache = (ShardCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
                       if cfg.cache_dir and not storage.is_local(ds.url) else None)
 
-    def _pieces(self, shard: int, start: int, end: int) -> Iterator[bytes]:
-        """Bytes [start, end) of a shard in pieces; ends early when the shard is truncated. Transient errors are
-        retried inside storage for up to `retry_budget_s`; what escapes is hopeless (see `_read_failed`)."""
+    def _fill(self, shard: int, start: int, out: memoryview) -> Iterator[int]:
+        """Fill `out` with bytes [start, start + len(out)) of a shard, yielding the count filled after each piece;
+        ends early when the shard is truncated. Transient errors are retried inside storage for up to
+        `retry_budget_s`; what escapes is hopeless (see `_read_failed`)."""
         url = self.ds.shard_url(shard)
         so = self.ds.storage_options
         kw: dict[str, Any] = dict(retries=self.cfg.retries, budget_s=self.cfg.retry_budget_s,
                                   piece_bytes=int(self.cfg.piece_mb * (1 << 20)), backoff_s=self.cfg.retry_backoff_s,
                                   direct_http=self.cfg.s3_direct_http)
-        if self.cache is not None:  # streamed to local disk on a miss; read from an open file (safe to evict)
-            info = self.ds.shards[shard]
-            return self.cache.read(info.name, info.sha256, info.bytes, lambda: storage.iter_range(url, 0, None, so, **kw),
-                                   start, end, kw["piece_bytes"])
-        return storage.iter_range(url, start, end, so, allow_short=True, **kw)
+        if self.cache is None:
+            return storage.fill_range(url, start, out, so, **kw)
+        info = self.ds.shards[shard]  # streamed to local disk on a miss; read from an open file (safe to evict)
+        pieces = self.cache.read(info.name, info.sha256, info.bytes, lambda: storage.iter_range(url, 0, None, so, **kw),
+                                 start, start + len(out), kw["piece_bytes"])
+        return storage.copy_into(pieces, out)
 
     def _read_failed(self, shard: int, e: OSError) -> StreamError:
         """The loud error for a shard read that storage gave up on: infrastructure, not data, so never a skip.
@@ -296,7 +301,8 @@ class ChunkReader:
              order: int = 0) -> ChunkBatches:
         """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
 
-        Batches are allocated up front from the index's sample counts and each row decodes straight into its
+        Batches are allocated up front (recycled memory: load/buffers.py) from the index's sample counts and each
+        row decodes straight into its
         slot, as soon as the piece holding its bytes has arrived (decoding overlaps the rest of the transfer).
         `as_float` decodes to float32 (in-process: the trainer gets the array as is); worker processes use
         int16, half the bytes through shared memory, converted by the main process. Rows of a lower `order`
@@ -307,8 +313,14 @@ class ChunkReader:
         wanted = chunk.batches[skip_batches:]
         dtype = np.float32 if as_float else np.int16
         t0 = time.perf_counter()
-        padded = [np.zeros((len(b), int(idx.num_samples[b].max()) if len(b) else 0), dtype) for b in wanted]
-        slot = {int(r): padded[bi][i, : int(idx.num_samples[r])] for bi, b in enumerate(wanted) for i, r in enumerate(b)}
+        padded, slot = [], {}
+        for b in wanted:
+            lengths = idx.num_samples[b].astype(np.int64)
+            pcm = self.buffers.take(len(b), int(lengths.max()) if len(b) else 0, dtype)
+            for i, (r, n) in enumerate(zip(b.tolist(), lengths.tolist())):
+                pcm[i, n:] = 0  # recycled memory: the padding is zeroed here, the decoder writes the rest
+                slot[r] = pcm[i, :n]
+            padded.append(pcm)
         timings["batch"] += time.perf_counter() - t0
         rows = np.sort(np.fromiter(slot, np.int64, len(slot)))
         results: dict[int, tuple] = {}
@@ -334,13 +346,10 @@ class ChunkReader:
         StreamError: an outage is not bad data, and skipping its rows would quietly thin the epoch."""
         idx = self.idx
         ends = idx.offset[run_rows] + idx.size[run_rows] - start
-        buf = bytearray(end - start)
-        view = memoryview(buf)
+        view = memoryview(self.buffers.take(1, end - start, np.uint8)[0])  # recycled: no zeroing, no page faults
         have = nxt = 0
         try:
-            for piece in self._pieces(shard, start, end):
-                view[have:have + len(piece)] = piece
-                have += len(piece)
+            for have in self._fill(shard, start, view):
                 ready = []
                 while nxt < len(run_rows) and ends[nxt] <= have:  # this row's bytes are all here
                     r = int(run_rows[nxt])

@@ -1,6 +1,7 @@
 """storage: where bytes live. The only room that talks to a filesystem or an object store.
 
-    fs.py         fsspec access (path, file://, s3://): exists/ls/read/atomic write, ranged reads with retry
+    fs.py         fsspec access (path, file://, s3://): exists/ls/read/atomic write, ranged reads with retry,
+                  local runs read straight into the caller's buffer
     s3http.py     direct S3 reads over presigned URLs and keep-alive http.client connections (the loader's path)
     clock.py      time without progress per read, enforced while waiting by a watchdog (stall, trickle)
     retry.py      transient vs hopeless errors, backoff, StorageUnavailable, CredentialsError
@@ -12,12 +13,12 @@
 Imports nothing from the rest of shardtrain. `from shardtrain import storage; storage.read_range(...)` is the API.
 """
 from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, StorageUnavailable,
-                                   atomic_write_bytes, commit_local_file, credentials_error, exists, fs_and_path,
+                                   atomic_write_bytes, commit_local_file, copy_into, credentials_error, exists, fill_range, fs_and_path,
                                    is_local, is_transient, iter_range, join, ls_names, makedirs, open_ranged, presign,
                                    read_bytes, read_range, remove, size)
 from shardtrain.storage.redact import StorageOptions
 
 __all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "StorageOptions", "StorageUnavailable",
-           "atomic_write_bytes", "commit_local_file", "credentials_error", "exists", "fs_and_path", "is_local",
+           "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range", "fs_and_path", "is_local",
            "is_transient", "iter_range", "join", "ls_names", "makedirs", "open_ranged", "presign", "read_bytes",
            "read_range", "remove", "size"]

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import fsspec
+import fsspec.implementations.local  # noqa: F401  (imported on first use otherwise: ~25 ms of the first batch)
 
 from shardtrain.storage import s3http
 from shardtrain.storage.retry import (RETRY_BUDGET_S, Backoff, CredentialsError, StorageUnavailable,  # noqa: F401
@@ -310,6 +311,46 @@ def iter_range(
             if allow_short or end is None:
                 return
             raise EOFError(f"{url}: object ended at byte {pos}, expected {end}")
+
+
+LOCAL_PIECE_BYTES = 1 << 20
+"""A local read's first piece (later ones double, up to 8 MiB): the first rows can start decoding after the
+first MiB instead of after a whole 8 MB request, and the later, larger pieces keep the per-piece work (row
+checks, decode hand-offs) batched."""
+
+
+def fill_range(url: str | os.PathLike, start: int, out: memoryview, storage_options: dict | None = None,
+               **iter_kw: Any) -> Iterator[int]:
+    """Fill `out` with bytes `[start, start + len(out))` of `url`, yielding the bytes filled after each piece;
+    ends early (a shorter count) where the object ends.
+
+    Why a second way in: the loader reads most of a local dataset's bytes, and `iter_range` hands them over as
+    new `bytes` per piece that are then copied into the run buffer: a 7 MB local run took ~10 ms that way, ~3 ms
+    read straight into `out` with `readinto` (no intermediate object, no page faults of a fresh piece). Remote
+    objects still go through `iter_range` (`iter_kw`: its retries, budget and piece size) and are copied in."""
+    if is_local(url):
+        with open(fs_and_path(url, storage_options)[1], "rb", buffering=0) as f:
+            f.seek(start)
+            have, piece = 0, LOCAL_PIECE_BYTES
+            while have < len(out):
+                n = f.readinto(out[have:have + piece])
+                if not n:
+                    return
+                have += n
+                piece = min(2 * piece, 8 * LOCAL_PIECE_BYTES)  # later pieces larger: fewer, fuller hand-offs
+                yield have
+        return
+    yield from copy_into(iter_range(url, start, start + len(out), storage_options, allow_short=True, **iter_kw), out)
+
+
+def copy_into(pieces: Iterator[bytes], out: memoryview) -> Iterator[int]:
+    """Copy `pieces` into `out` one after another, yielding the bytes filled so far (`fill_range`'s remote half,
+    for any iterator of pieces, e.g. a cached shard's)."""
+    have = 0
+    for piece in pieces:
+        out[have:have + len(piece)] = piece
+        have += len(piece)
+        yield have
 
 
 def presign(urls: list[str], storage_options: dict | None = None) -> None:

@@ -36,6 +36,22 @@ def test_read_range_pieces(tmp_path):
         storage.read_range(str(tmp_path / "missing"), 0, 10)
 
 
+def test_fill_range_local_in_place_and_short(tmp_path):
+    data = os.urandom(5 * storage.fs.LOCAL_PIECE_BYTES + 123)
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    out = bytearray(4 * storage.fs.LOCAL_PIECE_BYTES)
+    counts = list(storage.fill_range(str(p), 1000, memoryview(out)))
+    assert bytes(out) == data[1000:1000 + len(out)]
+    assert counts[0] == storage.fs.LOCAL_PIECE_BYTES and counts[-1] == len(out)  # first piece small, then larger
+    assert counts == sorted(counts) and len(counts) < 4
+    tail = bytearray(1 << 20)  # past the end of the object: ends early with what there is
+    got = list(storage.fill_range(str(p), len(data) - 100, memoryview(tail)))
+    assert got[-1] == 100 and bytes(tail[:100]) == data[-100:]
+    with pytest.raises(FileNotFoundError):
+        list(storage.fill_range(str(tmp_path / "missing"), 0, memoryview(bytearray(10))))
+
+
 def test_read_range_retries_and_resumes(tmp_path, monkeypatch):
     data = os.urandom(50_000)
     p = tmp_path / "blob"

@@ -1,0 +1,42 @@
+"""BatchBuffers: a block is reused only once nothing refers to the batch it held (views, tensors included)."""
+import numpy as np
+import torch
+
+from shardtrain.load.buffers import BatchBuffers
+
+
+def test_block_comes_back_only_when_every_view_is_gone():
+    pool = BatchBuffers(keep=4)
+    pcm = pool.take(3, 1000, np.float32)
+    row = pcm[1, :10]
+    tensor = torch.from_numpy(pcm)[2]  # a tensor view of the batch, as a trainer holds it
+    as_numpy = tensor.numpy()[5:]
+    del pcm
+    assert pool._free == []  # a row view and a tensor view still hold it
+    del row, tensor
+    assert pool._free == []
+    del as_numpy
+    assert len(pool._free) == 1
+    again = pool.take(2, 1000, np.float32)  # same memory, no new block
+    assert pool.fresh == 1 and len(pool._free) == 0 and again.shape == (2, 1000)
+
+
+def test_memory_in_use_is_never_handed_out_twice():
+    pool = BatchBuffers(keep=8)
+    held = [pool.take(4, 5000, np.int16) for _ in range(5)]
+    for i, a in enumerate(held):
+        a[:] = i
+    held.append(pool.take(4, 5000, np.int16))  # nothing free: a new block
+    assert pool.fresh == 6
+    for i, a in enumerate(held[:5]):
+        assert (a == i).all()
+    assert not any(np.shares_memory(a, b) for j, a in enumerate(held) for b in held[j + 1:])
+
+
+def test_free_blocks_stay_bounded():
+    pool = BatchBuffers(keep=2)
+    held = [pool.take(1, 1 << 20, np.uint8) for _ in range(5)]
+    del held
+    assert len(pool._free) == 2
+    big = pool.take(1, 8 << 20, np.uint8)  # no free block holds it: one is given back first
+    assert len(pool._free) == 1 and big.nbytes == 8 << 20
