@@ -201,7 +201,8 @@ class ChunkReader:
             return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated audio)", t_parse, t2 - t1
         return key, text, got, None, t_parse, t2 - t1
 
-    def _check_rows(self, buf: memoryview, base: int, have: int, rows: list[int]) -> list[tuple]:
+    def _check_rows(self, buf: memoryview, base: int, have: int, rows: list[int],
+                    strings: dict[int, tuple] | None = None) -> list[tuple]:
         """`_check_row`'s verdicts for many rows of one run at once, the costly parts over numpy arrays.
 
         The ustar headers the writer makes (`headers_ok`: every header of the piece in one [2R, 512] array) and
@@ -222,8 +223,10 @@ class ChunkReader:
             w = np.flatnonzero(inside)
             ok[w] = headers_ok(arr, np.concatenate([a0[w], j0[w]]) - BLOCK, np.concatenate([a_len[w], j_len[w]])) \
                 .reshape(2, -1).all(axis=0)
-        keys = _strings(idx.key, r)
-        texts = _strings(idx.text, r) if idx.text is not None else None
+        if strings is None:
+            strings = self._index_strings(r)
+        keys = [strings[row][0] for row in rows]
+        texts = [strings[row][1] for row in rows] if idx.text is not None else None
         out: list[tuple] = []
         for i, row in enumerate(rows):
             if not ok[i]:
@@ -243,6 +246,14 @@ class ChunkReader:
                 continue
             out.append((key, *self._meta_verdict(meta, row, texts[i] if texts else None)))
         return out
+
+    def _index_strings(self, rows: np.ndarray) -> dict[int, tuple]:
+        """row -> (key, transcript or None) from the index, for many rows at once: one Arrow `take` per column
+        costs ~0.5 ms whatever its size, so a chunk takes them once, not each piece of each run."""
+        idx = self.idx
+        keys = _strings(idx.key, rows)
+        texts = _strings(idx.text, rows) if idx.text is not None else [None] * len(keys)
+        return dict(zip(rows.tolist(), zip(keys, texts)))
 
     def _check_row(self, buf: memoryview, base: int, have: int, row: int) -> tuple[str, str, str | None]:
         """(key, text, error or None) for one row: its bytes present, headers and json as the index says."""
@@ -297,21 +308,20 @@ class ChunkReader:
     def _decode_rows(self, buf: memoryview, base: int, have: int, rows: list) -> list[tuple[int, tuple]]:
         return [(r, self._decode(buf, base, have, r, out, chk)) for r, out, chk in rows]
 
-    def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, as_float: bool,
-             order: int = 0) -> ChunkBatches:
+    def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, order: int = 0) -> ChunkBatches:
         """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
 
         Batches are allocated up front (recycled memory: load/buffers.py) from the index's sample counts and each
-        row decodes straight into its
-        slot, as soon as the piece holding its bytes has arrived (decoding overlaps the rest of the transfer).
-        `as_float` decodes to float32 (in-process: the trainer gets the array as is); worker processes use
-        int16, half the bytes through shared memory, converted by the main process. Rows of a lower `order`
+        row decodes straight into its slot, as soon as the piece holding its bytes has arrived (decoding overlaps
+        the rest of the transfer). Always int16: half the memory of float32 for the batches in flight (the Loader
+        converts each batch as it hands it over; from worker processes half the bytes through shared memory), and
+        libsndfile writes int16 no slower than float32. Rows of a lower `order`
         (the chunk's place in the schedule) are decoded first.
         """
         idx = self.idx
         timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
         wanted = chunk.batches[skip_batches:]
-        dtype = np.float32 if as_float else np.int16
+        dtype = np.int16
         t0 = time.perf_counter()
         padded, slot = [], {}
         for b in wanted:
@@ -326,19 +336,20 @@ class ChunkReader:
         results: dict[int, tuple] = {}
         futures: list[Future] = []
         t0 = time.perf_counter()
+        strings = self._index_strings(rows) if idx.key is not None and len(rows) else None
         for shard, start, end in _byte_runs(idx, rows):
             run_rows = rows[(idx.shard[rows] == shard) & (idx.offset[rows] >= start) & (idx.offset[rows] < end)]
-            self._read_run(shard, start, end, run_rows, slot, order, futures, results)
+            self._read_run(shard, start, end, run_rows, slot, order, futures, results, strings)
         timings["read"] += time.perf_counter() - t0
         for fut in futures:
             results.update(fut.result())
         t0 = time.perf_counter()
-        out, errors = self._assemble(wanted, padded, results, timings, as_float)
+        out, errors = self._assemble(wanted, padded, results, timings)
         timings["batch"] += time.perf_counter() - t0
         return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
 
     def _read_run(self, shard: int, start: int, end: int, run_rows: np.ndarray, slot: dict, order: int,
-                  futures: list[Future], results: dict) -> None:
+                  futures: list[Future], results: dict, strings: dict[int, tuple] | None = None) -> None:
         """Stream one byte run and hand each row to the decode pool as soon as its bytes have all arrived.
 
         A row whose bytes never arrive because the shard ended early gets its result here: the header check's
@@ -358,7 +369,7 @@ class ChunkReader:
                 if not ready:
                     continue
                 t0 = time.perf_counter()
-                checks = self._check_rows(view, start, end - start, [r for r, _ in ready])
+                checks = self._check_rows(view, start, end - start, [r for r, _ in ready], strings)
                 per_row = (time.perf_counter() - t0) / len(ready)
                 todo = []
                 for (r, out), (key, text, err) in zip(ready, checks):
@@ -374,8 +385,8 @@ class ChunkReader:
         for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
             results[int(r)] = self._decode(view, start, have, int(r), slot[int(r)][:0])
 
-    def _assemble(self, wanted: Sequence[np.ndarray], padded: list[np.ndarray], results: dict, timings: dict,
-                  as_float: bool) -> tuple[list[tuple], list[dict]]:
+    def _assemble(self, wanted: Sequence[np.ndarray], padded: list[np.ndarray], results: dict,
+                  timings: dict) -> tuple[list[tuple], list[dict]]:
         """Decoded rows -> batch tuples (pcm, lengths, keys, texts, durations); failed rows are dropped and listed."""
         idx, out, errors = self.idx, [], []
         for bi, batch_rows in enumerate(wanted):
@@ -400,6 +411,6 @@ class ChunkReader:
             if len(keep) < len(batch_rows):  # rare: drop failed rows, trim to the longest survivor
                 pcm = np.ascontiguousarray(pcm[keep, : max(lengths, default=0)])
             # from a worker process, a torch tensor crosses to the trainer through shared memory (no pipe copy)
-            out.append((pcm if as_float else torch.from_numpy(pcm), np.array(lengths, dtype=np.int64), keys, texts,
+            out.append((torch.from_numpy(pcm), np.array(lengths, dtype=np.int64), keys, texts,
                         np.array(durs, dtype=np.float64), np.asarray(batch_rows, np.int64)[keep]))
         return out, errors

@@ -314,9 +314,9 @@ def iter_range(
 
 
 LOCAL_PIECE_BYTES = 1 << 20
-"""A local read's first piece (later ones double, up to 8 MiB): the first rows can start decoding after the
-first MiB instead of after a whole 8 MB request, and the later, larger pieces keep the per-piece work (row
-checks, decode hand-offs) batched."""
+"""A local read's first piece (then the rest of the range in one): the first rows can start decoding after the
+first MiB instead of after a whole 8 MB request, and the per-piece work (row checks, decode hand-offs) stays
+batched."""
 
 
 def fill_range(url: str | os.PathLike, start: int, out: memoryview, storage_options: dict | None = None,
@@ -337,7 +337,7 @@ def fill_range(url: str | os.PathLike, start: int, out: memoryview, storage_opti
                 if not n:
                     return
                 have += n
-                piece = min(2 * piece, 8 * LOCAL_PIECE_BYTES)  # later pieces larger: fewer, fuller hand-offs
+                piece = len(out)  # then the rest at once: fewer, fuller hand-offs (row checks, decode tasks)
                 yield have
         return
     yield from copy_into(iter_range(url, start, start + len(out), storage_options, allow_short=True, **iter_kw), out)
