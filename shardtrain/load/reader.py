@@ -4,7 +4,7 @@
       (retry + resume at the byte reached; optional whole-shard LRU cache for remote datasets)
       -> per row: ustar headers (checksum, name = index key, size = index size), json text = index text,
          libsndfile decode into its batch row (thread pool, no GIL)
-      -> ChunkBatches: per batch padded PCM [B, T] (float32 in-process, int16 from worker processes)
+      -> ChunkBatches: per batch padded int16 PCM [B, T] in recycled buffers (load/buffers.py)
 
 Bad data never stops the stream unless `strict`: a sample that fails is recorded with its key and reason
 (decode_error, truncated_shard, index_mismatch, bad_header, bad_json) and left out of its batch (the loader stops
