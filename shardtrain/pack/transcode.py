@@ -17,7 +17,7 @@ import numpy as np
 import soundfile as sf
 
 from shardtrain.pack.sources import Item
-from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo
+from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo, decoded_frames
 from shardtrain.format.codecs import CODECS, SF_FORMAT
 from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, MP3_RATES_HZ, open_audio, read_audio_bytes
 from shardtrain.pack.probe import OPUS_RATES_HZ
@@ -97,14 +97,12 @@ def _segment_frames(item: Item, info: AudioInfo) -> tuple[int, int]:
 
 
 def _verify_bytes(data: bytes, info: AudioInfo, where: str) -> None:
-    """Decode `data` fully (int16 blocks, little memory) and check it yields the promised sample count."""
-    decoded = 0
+    """Decode `data` fully (format.audio.decoded_frames: constant memory, no Python IO callbacks) and check it
+    yields the promised sample count."""
     try:
-        with sf.SoundFile(io.BytesIO(data)) as f:
-            for block in f.blocks(blocksize=1 << 16, dtype="int16"):
-                decoded += len(block)
-    except SF_ERRORS as e:
-        raise AudioError("truncated_audio" if decoded else "unreadable_audio", f"{where}: {e}") from e
+        decoded = decoded_frames(data)
+    except AudioError as e:
+        raise AudioError(e.reason, f"{where}: {str(e).split(': ', 1)[-1]}") from e
     if decoded != info.num_samples:
         raise AudioError("truncated_audio", f"{where}: header promises {info.num_samples} samples, decode yields "
                                             f"{decoded}")
