@@ -19,6 +19,7 @@ import gzip
 import io
 import json
 import logging
+import os
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -163,9 +164,9 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
             return "lhotse" if ("supervisions" in rec or "recording" in rec) else "jsonl"
         raise ValueError(f"input {input!r} is a file of unknown type; expected {looked_for} "
                          "(or pass --source-format explicitly)")
-    if fs.glob(posixpath.join(path, "*", "*", "*.trans.txt")):
+    if _trans_files(fs, path):
         return "librispeech"
-    for _root, _dirs, files in fs.walk(path):
+    for _root, _dirs, files in (os.walk(path, followlinks=True) if _is_local_fs(fs) else fs.walk(path)):
         if any(f.lower().endswith(AUDIO_EXTENSIONS) for f in files):
             return "dir"
     raise ValueError(f"input folder {input!r} holds no audio files; expected {looked_for}")
@@ -237,13 +238,35 @@ def _iter_dir(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Rejec
     return _dir_items(fs, _dir_entries(fs, root))
 
 
+def _is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def _find(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """Every file below `root`, as `fs.find` lists it. On local disk through os.walk (names only): fsspec's local
+    find stats every entry, ~0.1 ms each in Python (0.3 s of a 3,000-file pack's 2 s)."""
+    if not _is_local_fs(fs):
+        return list(fs.find(root))
+    return [posixpath.join(d.replace(os.sep, "/"), f) for d, _, names in os.walk(root, followlinks=True) for f in names]
+
+
+def _trans_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """LibriSpeech chapter transcripts `<root>/<speaker>/<chapter>/*.trans.txt`; on local disk by the standard
+    library's glob (names only, as `_find`)."""
+    if not _is_local_fs(fs):
+        return list(fs.glob(posixpath.join(root, "*", "*", "*.trans.txt")))
+    import glob  # noqa: PLC0415
+
+    return [p.replace(os.sep, "/") for p in glob.glob(os.path.join(glob.escape(root), "*", "*", "*.trans.txt"))]
+
+
 def _dir_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, str, str | None]]:
     """The listing half of a "dir" source (one `find`): (audio path, id, transcript path or None) per file.
 
     The transcript of `x.flac` is `x` + one of TRANSCRIPT_EXTENSIONS matched case-insensitively (`x.txt`, `x.TXT`,
     `x.Txt`, `x.lab`); when several exist, the first extension of TRANSCRIPT_EXTENSIONS wins, and among spellings
     of one extension the sorted-first name (so the choice never depends on the listing order)."""
-    files = sorted(p for p in fs.find(root) if not posixpath.basename(p).startswith("."))
+    files = sorted(p for p in _find(fs, root) if not posixpath.basename(p).startswith("."))
     audio = [p for p in files if p.lower().endswith(AUDIO_EXTENSIONS)]
     texts: dict[str, dict[str, str]] = {}
     for p in files:
@@ -394,7 +417,7 @@ def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Rej
 # ---- LibriSpeech ----------------------------------------------------------------------------------------------
 def _librispeech_transcripts(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     """The listing half of a LibriSpeech source: its `.trans.txt` files (one per chapter), sorted."""
-    return sorted(fs.glob(posixpath.join(root, "*", "*", "*.trans.txt")))
+    return sorted(_trans_files(fs, root))
 
 
 def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: list[str] | None = None

@@ -21,7 +21,7 @@ import io
 
 import soundfile as sf
 
-from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo
+from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo, decoded_frames
 
 TAIL_FRAMES = 1024
 """Samples seek_tail decodes at the end of what a header promises."""
@@ -126,11 +126,9 @@ def _flac_tail_ok(data: bytes, total: int) -> bool:
                 if first + bs != total:
                     return False
                 try:  # metadata claiming `bs` samples + the last frame: libsndfile decodes just that frame
-                    with sf.SoundFile(io.BytesIO(_with_total(data[:start], bs) + data[i:])) as f:
-                        got = len(f.read(dtype="int16", always_2d=True))
-                except SF_ERRORS:
+                    return decoded_frames(_with_total(data[:start], bs) + data[i:]) == bs
+                except AudioError:
                     return False
-                return got == bs
         i -= 1
     return False
 
