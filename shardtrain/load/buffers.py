@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 
 import numpy as np
 
@@ -29,6 +30,9 @@ class BatchBuffers:
     def __init__(self, keep: int):
         self.keep = keep
         self._free: list[np.ndarray] = []
+        self._returned: deque[np.ndarray] = deque()
+        """Blocks given back by finalizers, which may run in any thread at any moment (a garbage collection
+        inside `take`, say): a deque append needs no lock, so a finalizer can never wait on one."""
         self._lock = threading.Lock()
         self.fresh = 0
         """Blocks allocated (not recycled) so far: a trainer that holds batches shows here."""
@@ -40,6 +44,7 @@ class BatchBuffers:
         need = max(1, count * dt.itemsize)
         block = None
         with self._lock:
+            self._collect()
             fits = [i for i, b in enumerate(self._free) if len(b) >= need]
             if fits:  # the smallest block that holds it
                 block = self._free.pop(min(fits, key=lambda i: len(self._free[i])))
@@ -51,11 +56,18 @@ class BatchBuffers:
         # Through a fresh memoryview: numpy makes it the base every view of `flat` keeps alive (over the block
         # itself, every view would keep the pooled block alive, which tells nothing)
         flat = np.frombuffer(memoryview(block), dt, count)
-        weakref.finalize(flat.base, self._give_back, block)
+        weakref.finalize(flat.base, self._returned.append, block)
         return flat.reshape(rows, cols)
 
-    def _give_back(self, block: np.ndarray) -> None:
+    def free_blocks(self) -> int:
+        """Blocks ready for reuse now."""
         with self._lock:
-            self._free.append(block)
-            if len(self._free) > self.keep:  # drop the smallest: the large ones fit every batch
-                del self._free[min(range(len(self._free)), key=lambda i: len(self._free[i]))]
+            self._collect()
+            return len(self._free)
+
+    def _collect(self) -> None:
+        """Move returned blocks to the free list, keeping at most `keep` (the smallest go: large ones fit all)."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        while len(self._free) > self.keep:
+            del self._free[min(range(len(self._free)), key=lambda i: len(self._free[i]))]

@@ -12,13 +12,13 @@ def test_block_comes_back_only_when_every_view_is_gone():
     tensor = torch.from_numpy(pcm)[2]  # a tensor view of the batch, as a trainer holds it
     as_numpy = tensor.numpy()[5:]
     del pcm
-    assert pool._free == []  # a row view and a tensor view still hold it
+    assert pool.free_blocks() == 0  # a row view and a tensor view still hold it
     del row, tensor
-    assert pool._free == []
+    assert pool.free_blocks() == 0
     del as_numpy
-    assert len(pool._free) == 1
+    assert pool.free_blocks() == 1
     again = pool.take(2, 1000, np.float32)  # same memory, no new block
-    assert pool.fresh == 1 and len(pool._free) == 0 and again.shape == (2, 1000)
+    assert pool.fresh == 1 and pool.free_blocks() == 0 and again.shape == (2, 1000)
 
 
 def test_memory_in_use_is_never_handed_out_twice():
@@ -37,6 +37,28 @@ def test_free_blocks_stay_bounded():
     pool = BatchBuffers(keep=2)
     held = [pool.take(1, 1 << 20, np.uint8) for _ in range(5)]
     del held
-    assert len(pool._free) == 2
+    assert pool.free_blocks() == 2
     big = pool.take(1, 8 << 20, np.uint8)  # no free block holds it: one is given back first
-    assert len(pool._free) == 1 and big.nbytes == 8 << 20
+    assert pool.free_blocks() == 1 and big.nbytes == 8 << 20
+
+
+def test_a_batch_freed_by_garbage_collection_inside_take_does_not_deadlock():
+    """A finalizer may run in the middle of `take` (a collection of a cycle holding a batch); it must not wait on
+    the pool's lock."""
+    import gc
+
+    pool = BatchBuffers(keep=4)
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.me, h.pcm = h, pool.take(2, 100, np.float32)  # a reference cycle: only the collector frees it
+    del h
+    gc.disable()
+    try:
+        with pool._lock:  # as if a collection ran while take() holds the lock
+            gc.collect()
+    finally:
+        gc.enable()
+    assert pool.free_blocks() == 1
