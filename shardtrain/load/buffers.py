@@ -55,7 +55,7 @@ class BatchBuffers:
             self.fresh += 1
         # Through a fresh memoryview: numpy makes it the base every view of `flat` keeps alive (over the block
         # itself, every view would keep the pooled block alive, which tells nothing)
-        flat = np.frombuffer(memoryview(block), dt, count)
+        flat = np.frombuffer(block.data, dt, count)  # .data: a fresh memoryview of the block
         weakref.finalize(flat.base, self._returned.append, block)
         return flat.reshape(rows, cols)
 

@@ -330,7 +330,7 @@ class Loader:
                 t0 = time.perf_counter()
                 if self.cfg.pcm_dtype == "float32":  # numpy: ~10x faster than torch here
                     pcm = torch.from_numpy(np.multiply(pcm.numpy(), np.float32(1.0 / 32768.0),
-                                                       out=floats.take(*pcm.shape, np.float32)))
+                                                       out=floats.take(pcm.shape[0], pcm.shape[1], np.float32)))
                 waves = pcm
                 if pin:
                     waves = waves.pin_memory()
