@@ -29,7 +29,7 @@ class AudioError(Exception):
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +131,10 @@ class _MemfdDecoder:
                 return -int(info.channels)  # caller falls back to the downmixing path
             read = _snd.sf_readf_float if out.dtype == np.float32 else _snd.sf_readf_short
             got = read(handle, _ffi.from_buffer(_C_TYPES[out.dtype.char], out), len(out))
-            err = _snd.sf_error(handle)
-            if err and got < len(out):
-                raise AudioError("unreadable_audio", f"LibsndfileError: {_sf_message(err)}")
+            if got < len(out):  # only a short read can carry an error (one C call less per member otherwise)
+                err = _snd.sf_error(handle)
+                if err:
+                    raise AudioError("unreadable_audio", f"LibsndfileError: {_sf_message(err)}")
             return int(got)
         finally:
             _snd.sf_close(handle)

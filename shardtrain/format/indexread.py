@@ -22,8 +22,9 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from shardtrain.format.arrownp import filled, numpy_of, pc
+from shardtrain.format.arrownp import filled, numpy_of
 from shardtrain.format.validate import DatasetError
 
 MAX_STRING_BYTES = {"key": 80, "codec": 16, "text": 64 << 10, "speaker": 1024, "language": 64, "source": 4096}

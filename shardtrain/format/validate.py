@@ -26,8 +26,9 @@ import re
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
-from shardtrain.format.arrownp import filled, numpy_of, pc
+from shardtrain.format.arrownp import filled, numpy_of
 
 BLOCK = 512
 SHARD_NAME_RE = re.compile(r"shard-[0-9]{6,9}\.tar")

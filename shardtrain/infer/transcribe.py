@@ -225,7 +225,7 @@ class Transcriber:
             try:
                 p = probe(u, self.cfg.storage_options)
             except AudioError as e:
-                yield self._error(src.name, u.key, e.reason, str(e).split(": ", 1)[-1], u)
+                yield self._error(src.name, u.key, e.reason, e.detail, u)
                 continue
             yield _File(path=u.audio, duration_s=p.duration_s, rate_hz=p.rate_hz, utt=u, probe=p)
 
@@ -241,7 +241,7 @@ class Transcriber:
                     x, _ = read(f.utt, max_frames=int(self.cfg.window_seconds * f.rate_hz) + 1,
                                 storage_options=self.cfg.storage_options)
                 except AudioError as e:
-                    yield self._error(src.name, f.utt.key, e.reason, str(e).split(": ", 1)[-1], f.utt)
+                    yield self._error(src.name, f.utt.key, e.reason, e.detail, f.utt)
                     continue
                 clips.append(torch.from_numpy(x))
                 keys.append(f.utt.key)
@@ -270,7 +270,7 @@ class Transcriber:
                 best.append(lp[0, : int(ol[0])].argmax(dim=-1).cpu())
                 samples += len(x)
         except AudioError as e:
-            return self._error(source, key, e.reason, str(e).split(": ", 1)[-1], u)
+            return self._error(source, key, e.reason, e.detail, u)
         except RuntimeError as e:  # the model failed on a window (out of memory, ...): this utterance only
             return self._error(source, key, "model_failed", f"{type(e).__name__}: {e}", u)
         if not samples:

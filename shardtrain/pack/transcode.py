@@ -102,7 +102,7 @@ def _verify_bytes(data: bytes, info: AudioInfo, where: str) -> None:
     try:
         decoded = decoded_frames(data)
     except AudioError as e:
-        raise AudioError(e.reason, f"{where}: {str(e).split(': ', 1)[-1]}") from e
+        raise AudioError(e.reason, f"{where}: {e.detail}") from e
     if decoded != info.num_samples:
         raise AudioError("truncated_audio", f"{where}: header promises {info.num_samples} samples, decode yields "
                                             f"{decoded}")
