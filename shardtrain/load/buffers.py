@@ -11,9 +11,14 @@ keeps that memoryview alive, so its finalizer runs only when nothing refers to t
 block is free again (tests/load/test_buffers.py).
 A trainer that keeps batches simply makes the pool allocate new blocks; at most `keep` free blocks are held.
 Cost: the free blocks' memory (at most `keep` x the largest batch), one weakref finalizer a batch.
+
+Blocks are private anonymous mmaps, not malloc'd: a block let go is unmapped at once, while malloc'd blocks of
+a few MB (below glibc's raised mmap threshold) came from the decode threads' arenas and stayed resident as
+fragments (peak RSS on the 4k benchmark corpus 716 -> 701 MB).
 """
 from __future__ import annotations
 
+import mmap
 import threading
 import weakref
 from collections import deque
@@ -51,7 +56,7 @@ class BatchBuffers:
             elif self._free:  # none holds it: give one back to the system, so blocks never outnumber batches
                 self._free.pop(max(range(len(self._free)), key=lambda i: len(self._free[i])))
         if block is None:
-            block = np.empty(-(-need // ROUND_BYTES) * ROUND_BYTES, np.uint8)
+            block = _new_block(-(-need // ROUND_BYTES) * ROUND_BYTES)
             self.fresh += 1
         # Through a fresh memoryview: numpy makes it the base every view of `flat` keeps alive (over the block
         # itself, every view would keep the pooled block alive, which tells nothing)
@@ -71,3 +76,12 @@ class BatchBuffers:
             self._free.append(self._returned.popleft())
         while len(self._free) > self.keep:
             del self._free[min(range(len(self._free)), key=lambda i: len(self._free[i]))]
+
+
+def _new_block(nbytes: int) -> np.ndarray:
+    """`nbytes` of fresh private memory (zero pages until written), returned to the system when the last array
+    over it dies."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if not flags:  # Windows: no flags; malloc it
+        return np.empty(nbytes, np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
