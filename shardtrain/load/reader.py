@@ -14,6 +14,7 @@ are retried under `retry_budget_s`, and a hopeless one (403, 404, budget spent) 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -111,6 +112,33 @@ def _strings(col, rows: np.ndarray) -> list[str]:
     return [col[int(r)] for r in rows]
 
 
+class _LazyBatch:
+    """A padded batch [rows, longest] whose memory is taken from the pool when a decode thread first needs a row.
+
+    Any decode thread may ask first (one lock a batch, taken once per row: ~0.2 us); the padding of every row is
+    zeroed then (recycled memory), the decoder writes the rest. A batch none of whose rows was decoded (all
+    failed their checks) is taken when the chunk is assembled."""
+
+    __slots__ = ("lengths", "dtype", "pcm", "lock")
+
+    def __init__(self, lengths: list[int], dtype: type):
+        self.lengths, self.dtype = lengths, dtype
+        self.pcm: np.ndarray | None = None
+        self.lock = threading.Lock()
+
+    def array(self, pool: BatchBuffers) -> np.ndarray:
+        with self.lock:
+            if self.pcm is None:
+                pcm = pool.take(len(self.lengths), max(self.lengths, default=0), self.dtype)
+                for i, n in enumerate(self.lengths):
+                    pcm[i, n:] = 0
+                self.pcm = pcm
+            return self.pcm
+
+    def row(self, i: int, pool: BatchBuffers) -> np.ndarray:
+        return self.array(pool)[i, :self.lengths[i]]
+
+
 def _byte_runs(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int]]:
     """(shard, start, end) byte ranges covering `rows` (ascending), merging rows separated by small gaps."""
     runs: list[list[int]] = []
@@ -130,7 +158,10 @@ class ChunkReader:
         self.ds, self.idx, self.cfg = ds, idx, cfg
         self.decode_pool = OldestFirstPool(cfg.decode_threads, "decode")
         self.buffers = BatchBuffers(keep=(cfg.prefetch_chunks + 1) * cfg.bucket.batches_per_chunk + 4)
-        """Batches and run buffers: what is in flight plus the trainer's batch and the runs being decoded."""
+        """Batches: what is in flight plus the trainer's."""
+        self.run_buffers = BatchBuffers(keep=cfg.prefetch_chunks + 2, round_bytes=4 << 20)
+        """Bytes of the runs being read and decoded, in 4 MiB steps (runs are 1-10 MB: a few sizes serve all). A
+        pool of their own: in the batches' a 4 MB run took a free 20 MB batch block, all of it resident."""
         self.io_pool = ThreadPoolExecutor(cfg.prefetch_chunks, thread_name_prefix="read")
         self.cache = (ShardCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
                       if cfg.cache_dir and not storage.is_local(ds.url) else None)
@@ -306,17 +337,22 @@ class ChunkReader:
         return text, None
 
     def _decode_rows(self, buf: memoryview, base: int, have: int, rows: list) -> list[tuple[int, tuple]]:
-        return [(r, self._decode(buf, base, have, r, out, chk)) for r, out, chk in rows]
+        """One decode task: rows (row, (lazy batch, slot), check verdict) whose bytes are all in `buf`."""
+        return [(r, self._decode(buf, base, have, r, lazy.row(i, self.buffers), chk)) for r, (lazy, i), chk in rows]
 
     def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, order: int = 0) -> ChunkBatches:
         """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
 
-        Batches are allocated up front (recycled memory: load/buffers.py) from the index's sample counts and each
-        row decodes straight into its slot, as soon as the piece holding its bytes has arrived (decoding overlaps
-        the rest of the transfer). Always int16: half the memory of float32 for the batches in flight (the Loader
-        converts each batch as it hands it over; from worker processes half the bytes through shared memory), and
-        libsndfile writes int16 no slower than float32. Rows of a lower `order`
-        (the chunk's place in the schedule) are decoded first.
+        Each row decodes straight into its slot of a padded batch as soon as the piece holding its bytes has
+        arrived (decoding overlaps the rest of the transfer). A batch's memory (recycled: load/buffers.py) is
+        taken when its first row is decoded, not when the chunk's reads start: chunks read ahead wait for the
+        decode threads (oldest first), so their batches cost memory only once decoding reaches them. Always
+        int16: half the memory of float32 for the batches in flight (the Loader converts each batch as it hands
+        it over; from worker processes half the bytes through shared memory), and libsndfile writes int16 no
+        slower than float32. Decoding float32 straight into the batch saves that conversion (~1 ns a sample) but
+        holds ~35 MB more at the peak (4k benchmark corpus: 695-700 against 678-684 MB), and its CPU saving did
+        not show above the noise of alternating runs. Rows of a lower `order` (the chunk's place in the
+        schedule) are decoded first.
         """
         idx = self.idx
         timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
@@ -326,11 +362,10 @@ class ChunkReader:
         padded, slot = [], {}
         for b in wanted:
             lengths = idx.num_samples[b].astype(np.int64)
-            pcm = self.buffers.take(len(b), int(lengths.max()) if len(b) else 0, dtype)
-            for i, (r, n) in enumerate(zip(b.tolist(), lengths.tolist())):
-                pcm[i, n:] = 0  # recycled memory: the padding is zeroed here, the decoder writes the rest
-                slot[r] = pcm[i, :n]
-            padded.append(pcm)
+            lazy = _LazyBatch(lengths.tolist(), dtype)
+            for i, r in enumerate(b.tolist()):
+                slot[r] = (lazy, i)
+            padded.append(lazy)
         timings["batch"] += time.perf_counter() - t0
         rows = np.sort(np.fromiter(slot, np.int64, len(slot)))
         results: dict[int, tuple] = {}
@@ -344,7 +379,7 @@ class ChunkReader:
         for fut in futures:
             results.update(fut.result())
         t0 = time.perf_counter()
-        out, errors = self._assemble(wanted, padded, results, timings)
+        out, errors = self._assemble(wanted, [lz.array(self.buffers) for lz in padded], results, timings)
         timings["batch"] += time.perf_counter() - t0
         return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
 
@@ -357,7 +392,7 @@ class ChunkReader:
         StreamError: an outage is not bad data, and skipping its rows would quietly thin the epoch."""
         idx = self.idx
         ends = idx.offset[run_rows] + idx.size[run_rows] - start
-        view = memoryview(self.buffers.take(1, end - start, np.uint8)[0])  # recycled: no zeroing, no page faults
+        view = memoryview(self.run_buffers.take(1, end - start, np.uint8)[0])  # recycled: no zeroing, no page faults
         have = nxt = 0
         try:
             for have in self._fill(shard, start, view):
@@ -383,7 +418,7 @@ class ChunkReader:
         except OSError as e:  # transient errors were retried in storage: this one stops the stream
             raise self._read_failed(shard, e) from e
         for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
-            results[int(r)] = self._decode(view, start, have, int(r), slot[int(r)][:0])
+            results[int(r)] = self._decode(view, start, have, int(r), np.zeros(0, np.int16))
 
     def _assemble(self, wanted: Sequence[np.ndarray], padded: list[np.ndarray], results: dict,
                   timings: dict) -> tuple[list[tuple], list[dict]]:

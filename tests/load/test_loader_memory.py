@@ -35,3 +35,17 @@ def test_blocks_are_mapped_outside_malloc():
     assert isinstance(base.obj.base.obj, mmap.mmap)  # the block: an array over a mapping of its own
     a[:] = 7
     assert int(a.sum()) == 7 * 3000
+
+
+def test_a_small_request_takes_no_much_larger_block():
+    pool = BatchBuffers(keep=4)
+    big = pool.take(4, 5 << 20, "int16")  # 40 MiB, written full
+    big[:] = 1
+    del big
+    assert pool.free_blocks() == 1
+    near = pool.take(4, (5 << 20) - 1000, "int16")  # nearly the same size: the same block, no fresh pages
+    assert pool.fresh == 1
+    del near
+    small = pool.take(1, 1 << 20, "uint8")  # 1 MiB: a block of its own; the 40 MiB one is given back, not kept
+    assert pool.fresh == 2 and small.nbytes == 1 << 20
+    assert pool.free_blocks() == 0
