@@ -42,7 +42,10 @@ def bucket_width(total_cost: float, budget: float, world_size: int, num_buckets:
     ceil(its cost / budget) batches (what benchmarks/bench_shuffle.py and the tests compare with). A bucket of k
     batches per rank (k x world_size batches) repeats ~PHASE_GAIN / (k x world_size) of its pairs, the reference
     1 / ceil(total / (num_buckets x budget)): so target = PHASE_GAIN x that ceil / world_size, and k the whole
-    number at or above it (at least `floor`). The local deal narrows a bucket of k to the target where it can."""
+    number at or above it (at least `floor`). The local deal narrows a bucket of k to the target where it can.
+    num_buckets=1 asks for no bucketing: one bucket, k = infinity (callers cap it at the epoch)."""
+    if num_buckets <= 1:
+        return 1 << 62, float(1 << 62)
     ref = max(1, math.ceil(total_cost / (num_buckets * budget) - 1e-9))
     target = PHASE_GAIN * ref / world_size
     return max(floor, math.ceil(target - 1e-9)), target

@@ -77,7 +77,10 @@ class BucketConfig:
     quadratic_duration_s: float | None = None
     """Length penalty for attention models: an utterance costs d + d**2 / quadratic_duration_s seconds."""
     num_buckets: int = 30
-    """Duration buckets; bins hold equal total audio and are estimated from the index unless `bins_s` is set."""
+    """How varied batches are: as a uniform shuffle inside this many fixed equal-audio duration buckets (pair
+    repeat rate across epochs). The rows planner's buckets (whole batches, edges moving every epoch) are as
+    narrow as keeps that (~2/3 as wide: ~1.5x as many, padding.bucket_width); the block planner cuts at most this
+    many; run_mb=0 cuts this many equal-audio bins (fewer where small). 1: one bucket, no bucketing."""
     bins_s: tuple[float, ...] | None = None
     """Hand-set bucket edges in seconds (ascending, interior edges only)."""
     batches_per_chunk: int = 4
@@ -280,7 +283,7 @@ def _bucket_units(total_cost: float, world_size: int, cfg: BucketConfig) -> tupl
     units = max(1, math.ceil(total_cost / (world_size * cfg.max_batch_seconds * UNIT_FILL) - 1e-9))
     k, target = bucket_width(total_cost, cfg.max_batch_seconds, world_size, cfg.num_buckets,
                              min(units, MIN_BUCKET_BATCHES))
-    return units, k, target
+    return units, min(k, units), target
 
 
 def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_size: int,
