@@ -1,26 +1,33 @@
 """Padding-aware cuts shared by every planner that buckets (rows: plan.py, blocks: blockplan.py, mixtures through
-either): bucket edges at a random phase each epoch, and a local deal where a chunk is its bucket's only chunk.
+either): bucket edges that move every epoch, buckets as narrow as that allows, and a local deal where a chunk is
+its bucket's only chunk.
 
 Padding is lost where a batch mixes short and long utterances: a batch of B rows padded to its longest wastes
-B x (longest - mean). Inside a bucket dealt uniformly, every batch spans the whole bucket, so the loss is about
-half the bucket's relative width; on the 4k espeak benchmark (23 buckets of two batches) that was 0.964, most of
-it in the short and long tails where a bucket of two batches spans 35% of its duration. Narrower buckets give
-fewer pairs to choose from and so less variety (design invariant 9). Two measures, each paid for by the other:
+B x (longest - mean). Inside a bucket dealt uniformly every batch spans the whole bucket, so the loss is about
+half the bucket's relative width; on the 4k espeak benchmark (23 fixed buckets of two batches) padding was 0.964,
+a third of the loss in the sparse tails (a bucket of two batches spans 35% of its duration at the short end).
+Narrower buckets leave fewer rows to choose batch-mates from, so less variety (design invariant 9, measured as
+the pair repeat rate across epochs against a uniform shuffle in `num_buckets` fixed equal-audio buckets). Three
+measures, the first paying for the others:
 
-- Phased edges (`bucket_phase`, `phased_edges`): the bucket grid is shifted by a random fraction of a bucket
-  every epoch. Two rows d apart inside a bucket of width w then share a bucket next epoch with probability
-  1 - d / w instead of 1, which cuts the pair repeat rate to ~2/3 of fixed buckets' (measured 0.63x on the 4k
-  benchmark), at the cost of a part-full first bucket (<= one batch per rank per epoch, ~1% fill there).
-- Local deal (`local_deal`): a chunk's rows sorted by duration rank plus uniform noise of LOCAL_SIGMA batches,
-  cut into its batches at equal cost, so a batch spans ~1 + LOCAL_SIGMA batches' worth of lengths instead of the
-  whole bucket. With phased edges this gives padding 0.975 for a pair repeat rate x1.1 of the uniform shuffle in
-  30 fixed buckets on the 4k benchmark (sorted without noise: 0.98 but x1.3).
+- Moving edges (`bucket_phase`, `phased_ids`, `phased_edges`): the bucket grid shifts by a golden-ratio step of a
+  bucket every epoch. Two rows d apart in a bucket of width w share a bucket next epoch with probability
+  1 - d / w instead of 1: ~2/3 of the pair repeat rate of fixed buckets (PHASE_GAIN; 0.63x measured on the 4k
+  benchmark), for a part-full bucket at the start (<= one batch per rank and epoch: fill 0.94 -> 0.92 there).
+- Narrower buckets (`bucket_width`): as narrow as keeps the fixed buckets' variety with moving edges, ~2/3 as
+  wide (20k rows over 8 ranks: padding 0.952 -> 0.970; 40k rows over 4 ranks: 0.970 -> 0.982; 200k rows of
+  LibriSpeech-like lengths, one rank: 0.959 -> 0.973), whole batches per rank, at least two.
+- Local deal (`local_deal`, `local_sigma`): where the whole width a bucket must have is more than variety needs
+  (small corpora: the 4k benchmark wants 1.33 batches and gets 2), a chunk that is its whole bucket is sorted by
+  duration rank plus uniform noise of sigma batches and cut into its batches at equal cost, so a batch spans
+  ~1 + sigma batches' worth of lengths: 0.974 on the 4k benchmark at x1.02 of the fixed buckets' repeat rate
+  (x1.8 of a uniform shuffle in its own, narrower buckets). Only where a chunk holds its whole bucket (one rank,
+  a bucket of <= batches_per_chunk batches): elsewhere a chunk is runs from random places of its bucket and
+  sorting would put run-mates (read together again next epoch with probability ~1/2) in one batch, so the
+  run-aware uniform deal (`plan.deal_runs`) stays.
 
-The local deal is used only where a chunk holds its whole bucket (one rank, a bucket of <= batches_per_chunk
-batches: small corpora, where each bucket holds few batches and padding suffers most). Elsewhere a chunk is k
-runs from random places of its bucket, and sorting would put run-mates (read together again next epoch with
-probability ~1/2) in one batch: the run-aware uniform deal (`plan.deal_runs`) stays, and only the phase applies.
-Cost: one argsort and cumsum per chunk (O(rows log rows) numpy), one random number per epoch for the phase.
+Cost: one random number per epoch for the phase; one argsort and cumsum per locally dealt chunk (O(rows log rows)
+numpy, small corpora only). Plans stay a pure function of (seed, epoch, world size, config).
 """
 from __future__ import annotations
 
