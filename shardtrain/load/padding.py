@@ -5,10 +5,10 @@ its bucket's only chunk.
 Padding is lost where a batch mixes short and long utterances: a batch of B rows padded to its longest wastes
 B x (longest - mean). Inside a bucket dealt uniformly every batch spans the whole bucket, so the loss is about
 half the bucket's relative width; on the 4k espeak benchmark (23 fixed buckets of two batches) padding was 0.964,
-a third of the loss in the sparse tails (a bucket of two batches spans 35% of its duration at the short end).
-Narrower buckets leave fewer rows to choose batch-mates from, so less variety (design invariant 9, measured as
-the pair repeat rate across epochs against a uniform shuffle in `num_buckets` fixed equal-audio buckets). Three
-measures, the first paying for the others:
+two fifths of the loss in the three tail buckets (a bucket of two batches spans 35% of its duration at the short
+end). Narrower buckets leave fewer rows to choose batch-mates from, so less variety (design invariant 9, measured
+as the pair repeat rate across epochs against a uniform shuffle in `num_buckets` fixed equal-audio buckets).
+Three measures, the first paying for the others:
 
 - Moving edges (`bucket_phase`, `phased_ids`, `phased_edges`): the bucket grid shifts by a golden-ratio step of a
   bucket every epoch. Two rows d apart in a bucket of width w share a bucket next epoch with probability
