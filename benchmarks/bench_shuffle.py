@@ -82,17 +82,18 @@ def plan_batches(idx, cfg, epoch: int, world_size: int, seed: int) -> tuple[list
 def uniform_reference(idx, cfg, epochs: int, world_size: int, seed: int) -> list[list[np.ndarray]]:
     """Each of shardtrain's buckets shuffled uniformly per epoch and split into as many batches as shardtrain
     makes from it (same buckets, same batch sizes: only the composition rule differs)."""
+    from shardtrain.load.padding import bucket_phase
     from shardtrain.load.plan import _bucket_ranges, cost_s
 
     dur = idx.duration_s
     keep = np.flatnonzero(cost_s(dur, cfg) <= cfg.max_batch_seconds)
     rows = keep[np.argsort(dur[keep], kind="stable")]
-    buckets = _bucket_ranges(rows, dur, cfg, world_size)
-    bucket_of = np.empty(len(dur), np.int64)
-    for i, b in enumerate(buckets):
-        bucket_of[b] = i
     out = []
     for e in range(epochs):
+        buckets = _bucket_ranges(rows, dur, cfg, world_size, bucket_phase(seed, e))  # the edges move every epoch
+        bucket_of = np.empty(len(dur), np.int64)
+        for i, b in enumerate(buckets):
+            bucket_of[b] = i
         batches, _ = plan_batches(idx, cfg, e, world_size, seed)
         per_bucket = np.bincount([bucket_of[b[0]] for b in batches if len(b)], minlength=len(buckets))
         rng = np.random.default_rng([seed, e, 99])

@@ -2,8 +2,9 @@
 
     index.parquet (shard, offset, size, audio_offset, audio_size, duration_s; rows sorted by duration)
       -> duration buckets of whole batches: edges where the running cost passes each multiple of k batches per
-         rank at UNIT_FILL of the budget, k >= 2 and at most `num_buckets` buckets (run_mb=0: equal-audio bins;
-         or `bins_s`)                                                                 -> contiguous row ranges
+         rank at UNIT_FILL of the budget, the grid shifted by this epoch's phase (padding.py), k >= 2 and as
+         narrow as keeps the variety of `num_buckets` fixed buckets (run_mb=0: equal-audio bins; or `bins_s`;
+         both fixed)                                                                  -> contiguous row ranges
       -> chunks: each bucket cut into a multiple of `world_size` pieces in proportion to the whole batches each
          holds (`_chunk_shares`; run_mb=0: equal audio)                               -> [Chunk(rows)]
          (`batches_per_chunk` batches each; a chunk is k runs of ~`run_mb` from random places of its bucket,
@@ -11,14 +12,18 @@
          `min_run_mb`, where a bucket is large against its chunks; run_mb=0: one run)
       -> groups: `world_size` neighbouring chunks of one bucket; group order shuffled per epoch
       -> batches: every chunk of a group is dealt into the same number M_g of batches under the budget,
-         the rows of a run into distinct batches (`deal_runs`), then single-row swaps even out seconds where a
-         batch would overflow (`_balance`) before M_g grows                          -> Chunk.batches
+         the rows of a run into distinct batches (`deal_runs`; a chunk that is its whole bucket: in narrow
+         bands of lengths, `padding.local_deal`), then single-row swaps even out seconds where a batch would
+         overflow (`_balance`) before M_g grows                                       -> Chunk.batches
 
 Full batches (issue 20): equal-audio buckets hold fractional batches per rank (1.48 on the 4k benchmark), which
 deal into part-full ones (0.72 mean fill there, 0.51 over 2 ranks); buckets of whole batches, chunks cut in
 proportion and the balancing swaps give 0.94 there (0.90-0.95 on 20k-40k synthetic rows), with the pair repeat
 rate of a uniform shuffle in 30 equal-audio buckets (x1.0) and padding ~0.964 (0.972 before: the buckets are a
-little wider where k = 2).
+little wider where k = 2). Padding (issue 20, padding.py): bucket edges that move every epoch part neighbours, so
+buckets can be narrower for the same variety, and a chunk that is its whole bucket is dealt in narrow bands of
+lengths: 0.974 on the 4k benchmark and 0.976 on the 6k one (fill 0.92 / 0.94, x1.02 / x0.82 of that repeat
+rate), 0.970 on 20k synthetic rows over 8 ranks (0.952 before).
 
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
@@ -54,6 +59,7 @@ import numpy as np
 import numpy.random  # noqa: F401 - numpy 2 imports it lazily on first use, inside the first plan
 
 from shardtrain.format.arrownp import numpy_of
+from shardtrain.load.padding import bucket_phase, bucket_width, local_deal, local_sigma, phased_edges, phased_ids
 
 FILL_TARGET = 0.95
 """Planned chunk audio per batch, as a share of max_batch_seconds."""
@@ -76,7 +82,10 @@ class BucketConfig:
     quadratic_duration_s: float | None = None
     """Length penalty for attention models: an utterance costs d + d**2 / quadratic_duration_s seconds."""
     num_buckets: int = 30
-    """Duration buckets; bins hold equal total audio and are estimated from the index unless `bins_s` is set."""
+    """How varied batches are: as a uniform shuffle inside this many fixed equal-audio duration buckets (pair
+    repeat rate across epochs). The rows planner's buckets (whole batches, edges moving every epoch) are as
+    narrow as keeps that (~2/3 as wide: ~1.5x as many, padding.bucket_width); the block planner cuts at most this
+    many; run_mb=0 cuts this many equal-audio bins (fewer where small). 1: one bucket, no bucketing."""
     bins_s: tuple[float, ...] | None = None
     """Hand-set bucket edges in seconds (ascending, interior edges only)."""
     batches_per_chunk: int = 4
@@ -251,13 +260,7 @@ def batch_budget_s(longest_s: float, cfg: BucketConfig) -> float:
 
 def estimate_bins(duration_s: np.ndarray, num_buckets: int) -> np.ndarray:
     """Interior bucket edges so each bucket holds about equal total audio (lhotse-style, from metadata only)."""
-    if len(duration_s) == 0 or num_buckets <= 1:
-        return np.zeros(0)
-    d = np.sort(duration_s)
-    cum = np.cumsum(d)
-    targets = cum[-1] * np.arange(1, num_buckets) / num_buckets
-    edges = d[np.searchsorted(cum, targets, side="right")]
-    return np.unique(edges)
+    return phased_edges(duration_s, num_buckets, 0.0)
 
 
 def batch_cost(costs: np.ndarray, cfg: BucketConfig) -> float:
@@ -276,20 +279,27 @@ MIN_BUCKET_BATCHES = 2
 would give every rank the same batch-mates every epoch, whatever the deal."""
 
 
-def _bucket_units(total_cost: float, world_size: int, cfg: BucketConfig) -> tuple[int, int]:
-    """(K, k): the epoch holds K batches per rank at ~UNIT_FILL of the budget, and a bucket k of them (the last
-    bucket the remainder), k the fewest that keeps within `num_buckets` buckets, and at least MIN_BUCKET_BATCHES. Why whole batches: a bucket of
-    1.48 batches per rank deals into 2 batches of 74%; bucket edges at whole batches leave only the last bucket
-    part-full. k also sets variety: rows of a bucket meet in a batch with probability ~1/k a uniform shuffle's."""
+def _bucket_units(total_cost: float, world_size: int, cfg: BucketConfig) -> tuple[int, int, float]:
+    """(K, k, target): the epoch holds K batches per rank at ~UNIT_FILL of the budget, and a bucket k of them (the
+    first and last buckets, cut by the epoch's phase, the remainders), k the narrowest that keeps the variety of
+    `num_buckets` fixed buckets with edges that move every epoch (`padding.bucket_width`; target: the width that
+    does exactly, <= k), and at least MIN_BUCKET_BATCHES. Why whole batches: a bucket of 1.48 batches per rank
+    deals into 2 batches of 74%; bucket edges at whole batches leave only the end buckets part-full."""
     units = max(1, math.ceil(total_cost / (world_size * cfg.max_batch_seconds * UNIT_FILL) - 1e-9))
-    return units, max(min(units, MIN_BUCKET_BATCHES), math.ceil(units / cfg.num_buckets))
+    k, target = bucket_width(total_cost, cfg.max_batch_seconds, world_size, cfg.num_buckets,
+                             min(units, MIN_BUCKET_BATCHES))
+    return units, min(k, units), target
 
 
-def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_size: int) -> list[np.ndarray]:
+def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_size: int,
+                   phase: float = 0.0) -> list[np.ndarray]:
     """Split duration-sorted `rows` into buckets, merging any bucket with fewer than world_size rows.
 
     Mixed chunks (run_mb > 0): edges where the running budget cost passes each multiple of k batches per rank
-    (`_bucket_units`), so every bucket but the last deals into full batches. Contiguous chunks (run_mb=0):
+    (`_bucket_units`) shifted by `phase` of a bucket (the epoch's `padding.bucket_phase`: edges move every epoch,
+    so neighbours part; none where k covers the epoch), so every bucket but the first and last deals into full
+    batches. Contiguous chunks (run_mb=0, the same neighbours every epoch by choice) and `bins_s` stay fixed.
+    Contiguous chunks (run_mb=0):
     equal-audio bins capped so a bucket holds at least eight batches per rank (chunks are cut inside a bucket, so
     a small bucket quantises them into part-full batches). `bins_s` overrides both.
     """
@@ -297,9 +307,9 @@ def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_s
         ids = np.searchsorted(np.asarray(cfg.bins_s, float), dur[rows], side="right")
     elif cfg.run_mb > 0:
         cum = np.cumsum(cost_s(dur[rows], cfg))
-        units, k = _bucket_units(float(cum[-1]) if len(cum) else 0.0, world_size, cfg)
+        units, k, _ = _bucket_units(float(cum[-1]) if len(cum) else 0.0, world_size, cfg)
         step = float(cum[-1]) / units * k if len(cum) else 1.0
-        ids = np.floor((cum - 0.5 * cost_s(dur[rows], cfg)) / step).astype(np.int64)  # a row goes where its middle is
+        ids = phased_ids(cum - 0.5 * cost_s(dur[rows], cfg), step, phase if k < units else 0.0)
     else:
         fill = float(cost_s(dur[rows], cfg).sum()) / (8 * world_size * cfg.max_batch_seconds)
         ids = np.searchsorted(estimate_bins(dur[rows], max(1, min(cfg.num_buckets, int(fill)))), dur[rows],
@@ -455,6 +465,17 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     return pieces
 
 
+def _deal_chunk(rows: np.ndarray, run_of: np.ndarray, m: int, dur: np.ndarray, costs: np.ndarray, cfg: BucketConfig,
+                rng: np.random.Generator, local: float | None) -> list[np.ndarray]:
+    """A chunk dealt into m batches: `padding.local_deal` with noise `local` where set (and it keeps
+    max_batch_size), else the run-aware uniform deal (`deal_runs`), or with run_mb=0 a plain shuffle."""
+    if local is not None:
+        dealt = local_deal(rows, dur, costs, m, rng, local)
+        if cfg.max_batch_size is None or max(len(b) for b in dealt) <= cfg.max_batch_size:
+            return dealt
+    return _deal(rows, m, rng) if cfg.run_mb <= 0 else deal_runs(rows, run_of, m, rng)
+
+
 def _deal(rows: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Shuffle rows and deal them round-robin into m batches (sizes differ by at most one)."""
     perm = rows[rng.permutation(len(rows))]
@@ -572,13 +593,18 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
     rows = rows[np.argsort(idx.duration_s[rows], kind="stable")]
     rng = _rng(seed, epoch, 1)
     groups: list[list[Chunk]] = []
-    for bucket in (_bucket_ranges(rows, idx.duration_s, cfg, world_size) if len(rows) else []):
+    phase = bucket_phase(seed, epoch)
+    _, k, target = _bucket_units(float(costs[rows].sum()), world_size, cfg)
+    sigma = local_sigma(k, target) if cfg.run_mb > 0 and not cfg.padded_budget and cfg.bins_s is None else None
+    for bucket in (_bucket_ranges(rows, idx.duration_s, cfg, world_size, phase) if len(rows) else []):
         pieces = _cut_chunks(bucket, idx, costs, world_size, cfg, rng)
+        # a chunk that is its whole bucket has no run-mates to part from: deal it into narrow bands of lengths
+        local = sigma if len(pieces) == 1 else None
         for g0 in range(0, len(pieces), world_size):
             members = pieces[g0:g0 + world_size]
             m = max(_batches_needed(p, costs, cfg) for p, _ in members)
             while True:
-                dealt = [_deal(p, m, rng) if cfg.run_mb <= 0 else deal_runs(p, r, m, rng) for p, r in members]
+                dealt = [_deal_chunk(p, r, m, idx.duration_s, costs, cfg, rng, local) for p, r in members]
                 fits = [all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for b in d) for d in dealt]
                 if not all(fits) and cfg.run_mb > 0 and not cfg.padded_budget:  # even out seconds, not counts
                     for i in (i for i, f in enumerate(fits) if not f):

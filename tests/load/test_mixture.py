@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from shardtrain.load.mixture import gather_index, select_epoch
+from shardtrain.load.padding import bucket_phase
 from shardtrain.load.plan import BucketConfig, _bucket_ranges, consumed_rows, plan_epoch
 
 from test_plan import all_batches, fake_index
@@ -91,7 +92,9 @@ def test_mixture_plan_equal_steps_exactly_once_lock_step(world_size):
         assert np.array_equal(v.offset[m], idx[s].offset[mix.row[m]])
     assert len(np.unique(v.shard[mix.source == 1])) and set(v.shard[mix.source == 1]).isdisjoint(v.shard[mix.source == 0])
     bucket_of = np.full(len(v), -1)
-    for b, rows_b in enumerate(_bucket_ranges(np.flatnonzero(v.duration_s <= 120.0), v.duration_s, cfg, world_size)):
+    phase = bucket_phase(SEED, 2)  # this epoch's bucket edges (they move every epoch)
+    for b, rows_b in enumerate(_bucket_ranges(np.flatnonzero(v.duration_s <= 120.0), v.duration_s, cfg, world_size,
+                                              phase)):
         bucket_of[rows_b] = b
     for g in plan.groups:  # lock-step: at every step all ranks draw from one duration bucket, whatever dataset
         assert len({int(bucket_of[r]) for c in g for r in c.rows}) == 1

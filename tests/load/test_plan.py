@@ -147,15 +147,16 @@ def _repeat_rate(e0, e1, n):
 def _uniform_in_bucket(idx, cfg, world_size, epochs_batches):
     """The reference: every bucket of the plan shuffled uniformly per epoch and split into as many batches as
     the plan makes from it (same buckets, same batch count: only the composition rule differs)."""
+    from shardtrain.load.padding import bucket_phase
     from shardtrain.load.plan import _bucket_ranges
 
     n = len(idx)
-    buckets = _bucket_ranges(np.arange(n), idx.duration_s, cfg, world_size)
-    bucket_of = np.zeros(n, int)
-    for i, b in enumerate(buckets):
-        bucket_of[b] = i
     ref = []
     for e, batches in enumerate(epochs_batches):
+        buckets = _bucket_ranges(np.arange(n), idx.duration_s, cfg, world_size, bucket_phase(0, e))  # epoch e's
+        bucket_of = np.zeros(n, int)
+        for i, b in enumerate(buckets):
+            bucket_of[b] = i
         per_bucket = np.bincount([bucket_of[b[0]] for b in batches if len(b)], minlength=len(buckets))
         rng = np.random.default_rng(e)
         ref.append([p for b, m in zip(buckets, per_bucket) if m for p in np.array_split(b[rng.permutation(len(b))], m)])
