@@ -26,14 +26,14 @@ from collections import deque
 import numpy as np
 
 ROUND_BYTES = 1 << 20
-"""Blocks are whole MiB by default, so batches of slightly different shapes share them."""
+"""Blocks are whole MiB, so batches of slightly different shapes share them."""
 
 
 class BatchBuffers:
     """Pool of byte blocks for padded batches [rows, cols], shared by the threads of one reader."""
 
-    def __init__(self, keep: int, round_bytes: int = ROUND_BYTES):
-        self.keep, self.round = keep, round_bytes
+    def __init__(self, keep: int):
+        self.keep = keep
         self._free: list[np.ndarray] = []
         self._returned: deque[np.ndarray] = deque()
         """Blocks given back by finalizers, which may run in any thread at any moment (a garbage collection
@@ -52,13 +52,13 @@ class BatchBuffers:
             self._collect()
             # the smallest block that holds it, if not much larger: a small batch in a large block written full
             # before would keep all of it resident (~20 MB a block of the 4k benchmark corpus's peak RSS)
-            fits = [i for i, b in enumerate(self._free) if need <= len(b) <= need + need // 4 + self.round]
+            fits = [i for i, b in enumerate(self._free) if need <= len(b) <= need + need // 4 + ROUND_BYTES]
             if fits:
                 block = self._free.pop(min(fits, key=lambda i: len(self._free[i])))
             elif self._free:  # none holds it: give one back to the system, so blocks never outnumber batches
                 self._free.pop(max(range(len(self._free)), key=lambda i: len(self._free[i])))
         if block is None:
-            block = _new_block(-(-need // self.round) * self.round)
+            block = _new_block(-(-need // ROUND_BYTES) * ROUND_BYTES)
             self.fresh += 1
         # Through a fresh memoryview: numpy makes it the base every view of `flat` keeps alive (over the block
         # itself, every view would keep the pooled block alive, which tells nothing)
