@@ -260,8 +260,8 @@ def deal_chunk(rows: np.ndarray, cost: np.ndarray, m: int, budget: float, rng: n
     sizes differ by at most one (so `cap`, max_batch_size, holds: the group's M_g is at least rows / cap). When a
     batch would exceed the budget, rows in random order each go to the least-loaded batch instead (list
     scheduling: every batch stays under mean + longest row, which the group's M_g keeps within the budget; a
-    Python loop, so only as a fallback; it passes over full batches). `sigma`: the chunk is its whole bucket, dealt
-by padding.local_deal with that noise instead where the result keeps the budget and `cap`."""
+    Python loop, so only as a fallback; it passes over full batches). `sigma`: the chunk is its whole bucket,
+    dealt by padding.local_deal with that noise instead where the result keeps the budget and `cap`."""
     if m == 1:
         return [rows[rng.permutation(len(rows))]]
     if sigma is not None:  # the chunk is its whole bucket: narrow bands of lengths (ranked by cost)

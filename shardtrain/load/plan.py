@@ -298,10 +298,9 @@ def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_s
     Mixed chunks (run_mb > 0): edges where the running budget cost passes each multiple of k batches per rank
     (`_bucket_units`) shifted by `phase` of a bucket (the epoch's `padding.bucket_phase`: edges move every epoch,
     so neighbours part; none where k covers the epoch), so every bucket but the first and last deals into full
-    batches. Contiguous chunks (run_mb=0, the same neighbours every epoch by choice) and `bins_s` stay fixed.
-    Contiguous chunks (run_mb=0):
-    equal-audio bins capped so a bucket holds at least eight batches per rank (chunks are cut inside a bucket, so
-    a small bucket quantises them into part-full batches). `bins_s` overrides both.
+    batches. Contiguous chunks (run_mb=0, the same neighbours every epoch by choice): fixed equal-audio bins
+    capped so a bucket holds at least eight batches per rank (chunks are cut inside a bucket, so a small bucket
+    quantises them into part-full batches). `bins_s` (fixed) overrides both.
     """
     if cfg.bins_s is not None:
         ids = np.searchsorted(np.asarray(cfg.bins_s, float), dur[rows], side="right")
