@@ -90,6 +90,8 @@ class LocalS3:
 
     Attributes after start: `endpoint_url`, `port` (S3), `storage_options` (for s3fs/fsspec), `env` (AWS_*
     variables for subprocesses, including AWS_ENDPOINT_URL which botocore and s3fs honour), `log_path`.
+    `max_volumes` caps SeaweedFS volumes (every bucket takes at least one); its own default, free disk / 128 MB,
+    ran out after ~25 buckets on a 26 GB-free disk.
     """
 
     def __init__(
@@ -102,8 +104,10 @@ class LocalS3:
         start_timeout_s: float = 30.0,
         stop_timeout_s: float = 10.0,
         log_path: str | os.PathLike | None = None,
+        max_volumes: int = 10_000,
     ) -> None:
         self.access_key = access_key
+        self.max_volumes = max_volumes
         self.secret_key = secret_key
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -153,6 +157,10 @@ class LocalS3:
             weed, "mini", f"-dir={self._data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
+            # Each bucket is a collection that grows 7 volumes on its first write; the default cap is free disk /
+            # 128 MB, which on a fuller disk ran out after ~25 buckets (PutObject -> InternalError "no free
+            # volumes left" late in a test session). Volumes are not preallocated, so a high cap costs nothing.
+            f"-volume.max={self.max_volumes}",
             f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
             f"-filer.port={filer}", f"-admin.port={admin}",
         ]

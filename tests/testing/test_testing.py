@@ -217,3 +217,30 @@ def test_local_s3_start_failure_reports_log(tmp_path):
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match=r"exited with code 3(.|\n)*fake weed: cannot start"):
         LocalS3(tmp_path / "data", weed=str(fake)).start()
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_session_server_takes_writes_in_many_buckets(s3):
+    """Each bucket is a SeaweedFS collection that grows 7 volumes; the default cap (free disk / 128 MB) ran out
+    after ~25 buckets on a fuller disk and late tests got InternalError. 40 more buckets on the shared server,
+    after whatever the session already made, must all take a write."""
+    c = s3.client()
+    for i in range(40):
+        bucket = s3.make_bucket(f"many-{i:02d}")[5:]
+        c.put_object(Bucket=bucket, Key="k", Body=b"x" * 1000)
+        assert c.get_object(Bucket=bucket, Key="k")["Body"].read() == b"x" * 1000
+
+
+@pytest.mark.s3
+def test_local_s3_volume_cap_is_what_limits_buckets(tmp_path):
+    """The cap is passed to the server: with room for 3 volumes, 3 buckets take a write and a 4th fails the way
+    late tests failed when the free-disk default cap ran out."""
+    from shardtrain.testing.s3server import LocalS3
+
+    with LocalS3(tmp_path / "data", max_volumes=3) as server:
+        c = server.client(retries=0)
+        for i in range(3):
+            c.put_object(Bucket=server.make_bucket(f"cap-{i}")[5:], Key="k", Body=b"y" * 1000)
+        with pytest.raises(Exception, match="InternalError|internal error"):
+            c.put_object(Bucket=server.make_bucket("cap-3")[5:], Key="k", Body=b"y" * 1000)
