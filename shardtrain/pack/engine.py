@@ -22,9 +22,10 @@ import os
 import threading
 import pickle
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy as np
 from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
-from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, write_shard
+from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, publish_marker, write_shard
 from shardtrain.pack.parts import SourcePart
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class WriteJob:
     target: AudioTarget
     fingerprint: str
     strict: bool
+    defer_sync: bool = False
+    """ShardTask.defer_sync; LocalEngine.write sets it for its pool."""
 
 
 class Engine(Protocol):
@@ -72,10 +75,15 @@ def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tup
         item, info, duration_s, est = records(p, r)
         samples.append(PlannedSample(key=key, item=item, info=info, duration_s=duration_s, est_bytes=est))
     return ShardTask(shard=spec.shard, output=job.output, storage_options=job.storage_options, samples=samples,
-                     target=job.target, fingerprint=job.fingerprint, strict=job.strict)
+                     target=job.target, fingerprint=job.fingerprint, strict=job.strict, defer_sync=job.defer_sync)
 
 
 # ---- local ----------------------------------------------------------------------------------------------------
+def _publish(job: WriteJob, marker: dict) -> dict:
+    publish_marker(job.output, job.storage_options, marker)
+    return marker
+
+
 def _scan_task(job: tuple) -> tuple[PartScan, list]:
     """scan_part in a pool worker (a module-level function: picklable)."""
     cfg, part = job
@@ -164,12 +172,28 @@ class LocalEngine:
         return self._records[part][row]
 
     def write(self, job: WriteJob, specs: Iterable[ShardSpec], count: int) -> Iterator[dict]:
-        tasks = (shard_task(job, s, self._record) for s in specs)
+        """Markers of written shards, each yielded once its shard is on disk and the marker written.
+
+        With the pool, workers only write (defer_sync) and one thread here fsyncs each finished shard and writes
+        its marker (publish_marker) while the workers go on with the next shards: the disk's wait overlaps their
+        CPU work instead of idling a core. Costs nothing when a worker dies: a shard without its marker is
+        written again by the re-run."""
         if self.workers == 1 or count <= 1:
-            for t in tasks:
+            for t in (shard_task(job, s, self._record) for s in specs):
                 yield write_shard(t)
             return
-        yield from self._bounded(write_shard, tasks, "writing shards")
+        job = replace(job, defer_sync=True)
+        published: deque[Future] = deque()
+        # Leaving the `with` (an error included) waits for the queued publishes: shards written so far keep
+        # their markers, and a re-run writes only the rest.
+        with ThreadPoolExecutor(1, thread_name_prefix="pack-publish") as publisher:
+            for marker in self._bounded(write_shard, (shard_task(job, s, self._record) for s in specs),
+                                        "writing shards"):
+                published.append(publisher.submit(_publish, job, marker))
+                while published and published[0].done():
+                    yield published.popleft().result()
+            while published:
+                yield published.popleft().result()
 
     def close(self) -> None:
         self._records.clear()
