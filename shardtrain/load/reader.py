@@ -231,7 +231,7 @@ class ChunkReader:
             return key, text, 0, f"decode_error: {show(str(e), 200)}", t_parse, time.perf_counter() - t1
         t2 = time.perf_counter()
         if got < want:
-            return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated audio)", t_parse, t2 - t1
+            return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated or damaged audio)", t_parse, t2 - t1
         return key, text, got, None, t_parse, t2 - t1
 
     def _check_rows(self, buf: memoryview, base: int, have: int, rows: list[int],

@@ -246,8 +246,10 @@ def test_decode_into_matches_soundfile_and_reports_bad_audio():
     np.testing.assert_allclose(out, sf.read(io.BytesIO(_flac_bytes(st)), dtype="float32")[0].mean(axis=1), atol=1e-6)
 
 
-def test_decode_into_threads_and_fork_do_not_share_buffers():
-    """Each thread (and a forked child) needs its own memfd: a shared one would mix members' bytes."""
+@pytest.mark.parametrize("fmt", ["FLAC", "WAV"])
+def test_decode_into_threads_and_fork_do_not_share_buffers(fmt):
+    """Each thread (and a forked child) needs its own memfd (WAV: libsndfile), and dr_flac's calls (FLAC) must
+    be as thread- and fork-safe: a shared buffer would mix members' bytes."""
     import multiprocessing
     from concurrent.futures import ThreadPoolExecutor
 
@@ -255,7 +257,7 @@ def test_decode_into_threads_and_fork_do_not_share_buffers():
 
     rng = np.random.default_rng(1)
     pcms = [(rng.standard_normal(int(n)) * 3000).astype(np.int16) for n in rng.integers(2000, 30000, 64)]
-    blobs = [_flac_bytes(p) for p in pcms]
+    blobs = [_flac_bytes(p, fmt=fmt) for p in pcms]
 
     def one(i):
         out = np.zeros(len(pcms[i]), np.int16)
@@ -276,3 +278,45 @@ def test_decode_into_threads_and_fork_do_not_share_buffers():
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+
+
+def test_flac_goes_through_dr_flac_bit_identical_to_libsndfile(monkeypatch):
+    """The FLAC fast path (dr_flac) writes the same float32 and int16 samples as libsndfile and counts the same
+    frames; without miniaudio (DR_FLAC None) libsndfile decodes FLAC as before."""
+    from shardtrain.format import audio
+
+    assert audio.DR_FLAC is not None, "miniaudio (a runtime dependency) should provide dr_flac"
+    rng = np.random.default_rng(2)
+    for n in (1, 4095, 4096, 48_017):
+        pcm = (rng.standard_normal(n) * 4000).clip(-32768, 32767).astype(np.int16)
+        data = _flac_bytes(pcm)
+        for dtype in (np.float32, np.int16):
+            fast, ref = np.zeros(n, dtype), np.zeros(n, dtype)
+            assert audio.DR_FLAC.decode_into(memoryview(data), fast) == n
+            assert audio._decoder().decode_into(data, ref) == n  # libsndfile on a memfd
+            assert fast.tobytes() == ref.tobytes()
+        assert audio.DR_FLAC.decoded_frames(data) == audio._decoder().decoded_frames(data) == n
+    assert audio.DR_FLAC.decode_into(b"RIFF" + bytes(60), np.zeros(10, np.float32)) is None  # not FLAC: refused
+    monkeypatch.setattr(audio, "DR_FLAC", None)
+    out = np.zeros(len(pcm), np.float32)
+    assert audio.decode_into(data, out) == len(pcm) and np.array_equal(out, pcm / np.float32(32768))
+    assert audio.decoded_frames(data) == len(pcm)
+
+
+def test_damaged_flac_frames_read_short():
+    """A damaged byte anywhere in the audio frames fails that frame's CRC and dr_flac leaves the frame out, so
+    the loader's count check and the packer's decode check both see fewer samples than the header claims."""
+    from shardtrain.format import audio
+    from shardtrain.pack.tailcheck import _metadata_end
+
+    rng = np.random.default_rng(3)
+    pcm = (rng.standard_normal(80_000) * 3000).astype(np.int16)
+    data = _flac_bytes(pcm)
+    start = _metadata_end(data)
+    assert start is not None
+    for pos in rng.integers(start, len(data), 40):
+        bad = bytearray(data)
+        bad[pos] ^= 0x5A
+        out = np.zeros(len(pcm), np.float32)
+        assert audio.decode_into(bytes(bad), out) < len(pcm), pos
+        assert audio.decoded_frames(bytes(bad)) < len(pcm), pos
