@@ -1,16 +1,16 @@
-"""Decode paths on the same FLAC members: soundfile over BytesIO vs shardtrain.format.audio.decode_into (memfd, no GIL).
+"""Decode paths on the same FLAC members: soundfile over BytesIO, libsndfile on a memfd, and shardtrain's
+decode_into (dr_flac for FLAC).
 
-Why this exists: the loader decodes in threads of one process, so what matters is how decoding scales with
-threads. soundfile reading from BytesIO goes through Python callbacks that take the GIL; decode_into hands
-libsndfile a memfd and calls it through cffi with the GIL released. Both are also run as one process per core
-(the decode-only limit's shape), which shows the decoders themselves cost the same: the limit is not moved by
-the choice of decoder, only the in-process scaling is.
+Why this exists: the loader decodes in threads of one process, so what matters is what a decode costs and how it
+scales with threads. soundfile reading from BytesIO goes through Python callbacks that take the GIL; libsndfile
+on a memfd (format.audio._MemfdDecoder, still the path for WAV/Opus/MP3) runs without the GIL but converts
+libFLAC's output sample by sample; dr_flac (format.audio._DrFlac) reads the bytes where they are and converts in
+blocks. Each is run in threads and as one process per core (the decode-only limit's shape).
 
     .venv/bin/python benchmarks/bench_decode.py              # members of the bench_loader dataset (cached)
     .venv/bin/python benchmarks/bench_decode.py --repeats 5
 
-The third row is the decoder the loader used before it moved to soundfile's public API (`SoundFile` on the memfd
-instead of soundfile's private cffi handle): it prices that move.
+The single-thread CPU A/B prices dr_flac against libsndfile on a memfd in thread CPU time (robust to a busy box).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import soundfile as sf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from shardtrain.format.audio import decode_into
+from shardtrain.format import audio
 
 BLOBS: list[bytes] = []
 FRAMES: list[int] = []
@@ -43,44 +43,14 @@ def _bytesio(i: int) -> int:
 
 
 def _memfd(i: int) -> int:
-    return decode_into(BLOBS[i], np.zeros(FRAMES[i], np.float32))
+    return audio._decoder().decode_into(BLOBS[i], np.zeros(FRAMES[i], np.float32))  # noqa: SLF001
 
 
-class _PrivateHandle:
-    """Reference only: the loader's decoder before it moved to soundfile's public API (issue 10). It called
-    libsndfile through soundfile's private cffi handle (`sf._snd`) on the same memfd, skipping SoundFile's Python
-    bookkeeping. Kept here to measure what the public API costs; the product never uses it."""
-
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("bench-private", os.MFD_CLOEXEC)
-        self.snd, self.ffi = sf._snd, sf._ffi  # noqa: SLF001
-        self.info = self.ffi.new("SF_INFO*")
-
-    def decode(self, data: bytes, out: np.ndarray) -> int:
-        os.ftruncate(self.fd, len(data))
-        os.pwrite(self.fd, data, 0)
-        os.lseek(self.fd, 0, os.SEEK_SET)
-        self.info.format = 0
-        h = self.snd.sf_open_fd(self.fd, 0x10, self.info, 0)
-        try:
-            return int(self.snd.sf_readf_float(h, self.ffi.cast("float *", out.ctypes.data), len(out)))
-        finally:
-            self.snd.sf_close(h)
+def _decode_into(i: int) -> int:
+    return audio.decode_into(BLOBS[i], np.zeros(FRAMES[i], np.float32))
 
 
-_private = threading.local()
-
-
-def _memfd_private(i: int) -> int:
-    dec = getattr(_private, "dec", None)
-    if dec is None or getattr(_private, "pid", None) != os.getpid():
-        dec = _private.dec = _PrivateHandle()
-        _private.pid = os.getpid()
-    return dec.decode(BLOBS[i], np.zeros(FRAMES[i], np.float32))
-
-
-PATHS = {"soundfile BytesIO": _bytesio, "decode_into (memfd, SoundFile(fd))": _memfd,
-         "memfd, private cffi handle (reference)": _memfd_private}
+PATHS = {"soundfile BytesIO": _bytesio, "libsndfile on a memfd": _memfd, "decode_into (dr_flac)": _decode_into}
 
 
 def _threads(fn, n: int) -> float:
@@ -109,17 +79,17 @@ def _processes(name: str, n: int) -> float:
 
 
 def _cpu_ab(audio_s: float, rounds: int) -> dict:
-    """Audio seconds decoded per CPU second of one thread, public SoundFile(fd) vs the private handle, alternating
-    rounds: thread CPU time does not count time stolen by other processes, so this prices the API on a busy box."""
-    rates: dict[str, list[float]] = {"public": [], "private": []}
+    """Audio seconds decoded per CPU second of one thread, dr_flac vs libsndfile on a memfd, alternating rounds:
+    thread CPU time does not count time stolen by other processes, so this prices the decoders on a busy box."""
+    rates: dict[str, list[float]] = {"dr_flac": [], "libsndfile": []}
     for _ in range(rounds):
-        for name, fn in (("public", _memfd), ("private", _memfd_private)):
+        for name, fn in (("dr_flac", _decode_into), ("libsndfile", _memfd)):
             t0 = time.thread_time()
             for i in range(len(BLOBS)):
                 fn(i)
             rates[name].append(audio_s / (time.thread_time() - t0))
     med = {k: float(np.median(v)) for k, v in rates.items()}
-    return {"rounds": rounds, **med, "public_vs_private": med["public"] / med["private"]}
+    return {"rounds": rounds, **med, "dr_flac_vs_libsndfile": med["dr_flac"] / med["libsndfile"]}
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -147,8 +117,8 @@ def main(args: argparse.Namespace) -> dict:
                                        ("vs", "vs BytesIO, same parallelism")])
     cpu = _cpu_ab(audio_s, rounds=max(5, args.repeats))
     md += (f"\n\nSingle-thread CPU cost, {cpu['rounds']} alternating rounds (thread CPU time, robust to a busy "
-           f"machine): SoundFile(fd) {cpu['public']:,.0f} vs private handle {cpu['private']:,.0f} audio-s per "
-           f"CPU-s = {cpu['public_vs_private']:.3f}")
+           f"machine): dr_flac {cpu['dr_flac']:,.0f} vs libsndfile on a memfd {cpu['libsndfile']:,.0f} audio-s "
+           f"per CPU-s = {cpu['dr_flac_vs_libsndfile']:.3f}")
     result = {"benchmark": "bench_decode", "git_sha": common.git_sha(), "machine": common.machine(),
               "members": len(BLOBS), "audio_seconds": round(audio_s, 1), "repeats": args.repeats, "rows": rows,
               "cpu_ab": cpu}

@@ -5,8 +5,10 @@ same corpus, same interleaved run.
         shardtrain          pack with its decode check (the default): scan + plan + write + commit, each timed
         shardtrain-nocheck  pack --no-decode-check (the tail check only)
         webdataset          webdataset.ShardWriter: the same FLAC bytes + json, input order, no probe/sort/index
-        decode-only         every file fully decoded (int16), `workers` processes, nothing written: the limit of a
-                            pack that decodes everything once
+        decode-only         every file fully decoded (int16, soundfile/libsndfile), `workers` processes, nothing
+                            written: the limit of a pack that decodes everything once, as the issue defines it
+        decode-only-shardtrain  the same with pack's own decoder (format.audio.decoded_frames: dr_flac for FLAC), so
+                            the overhead of pack beyond its decoder is visible too
         lhotse              CutSet.to_shar(fields={"recording": "flac"}) (Recording.from_file + re-encode)
     -> per tool: wall, files/s, audio h/s, MB/s, pack's phases (scan, plan, write, commit); per round the ratios
        the issue sets goals for (pack / decode-only, pack --no-decode-check / webdataset), then their medians;
@@ -19,7 +21,8 @@ Run (the figures in the README):
 
     PYTHONPATH=$PWD .venv/bin/python -m shardtrain synth /tmp/c3k --n 3000 --layout flat
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_pack.py --corpus /tmp/c3k --workers 2 --repeats 3 \\
-        --tools decode-only shardtrain webdataset shardtrain-nocheck --out benchmarks/results/bench_pack.json
+        --tools decode-only decode-only-shardtrain shardtrain webdataset shardtrain-nocheck \\
+        --out benchmarks/results/bench_pack.json
 """
 from __future__ import annotations
 
@@ -72,28 +75,41 @@ def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float
     return out_d
 
 
-def _decode_part(files: list[str]) -> tuple[int, float]:
+def _decode_part(files: list[str], decoder: str = "soundfile") -> tuple[int, float]:
     import soundfile as sf
+
+    from shardtrain.format.audio import decoded_frames
 
     audio_s = 0.0
     for path in files:
+        if decoder == "shardtrain":  # the file's bytes, then pack's own check (dr_flac for FLAC)
+            data = Path(path).read_bytes()
+            # the rate from FLAC's STREAMINFO (20 bits at byte 18): only for the audio-hours column
+            rate = int.from_bytes(data[18:21], "big") >> 4 if data[:4] == b"fLaC" else sf.info(path).samplerate
+            audio_s += decoded_frames(data) / rate
+            continue
         with sf.SoundFile(path) as f:
             n = sum(len(b) for b in f.blocks(blocksize=1 << 16, dtype="int16"))
             audio_s += n / f.samplerate
     return len(files), audio_s
 
 
-def run_decode_only(corpus: Path, out: Path, workers: int, target_shard_mb: float) -> dict:
+def run_decode_only(corpus: Path, out: Path, workers: int, target_shard_mb: float,
+                    decoder: str = "soundfile") -> dict:
     """The decode check's floor: every file fully decoded (int16, as the check does), `workers` processes, nothing
-    written. pack (with the check) cannot beat webdataset + this on the same cores."""
+    written. pack (with the check) cannot beat webdataset + this on the same cores with the same decoder.
+    `decoder`: "soundfile" (libsndfile, the issue's reference) or "shardtrain" (pack's own: dr_flac for FLAC)."""
+    import functools
+
     files = sorted(str(p) for p in corpus.glob("*.flac"))
     parts = [files[len(files) * k // workers: len(files) * (k + 1) // workers] for k in range(workers)]
+    part = functools.partial(_decode_part, decoder=decoder)
     t0 = time.perf_counter()
     if workers == 1:
-        res = [_decode_part(parts[0])]
+        res = [part(parts[0])]
     else:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            res = pool.map(_decode_part, parts)
+            res = pool.map(part, parts)
     return {"wall_s": time.perf_counter() - t0, "files": sum(n for n, _ in res), "audio_s": sum(a for _, a in res),
             "bytes": 0, "shards": 0}
 
@@ -153,8 +169,9 @@ def _run_tool(tool: str, args, corpus: Path, root: Path, workers: int, n_files: 
         if tool.startswith("shardtrain"):  # "-nocheck": without the full decode of kept audio; "-ray": Ray engine
             return run_shardtrain(corpus, out, workers, args.target_shard_mb, not tool.endswith("-nocheck"),
                                   "ray" if tool.endswith("-ray") else "local")
-        if tool == "decode-only":
-            return run_decode_only(corpus, out, workers, args.target_shard_mb)
+        if tool.startswith("decode-only"):
+            return run_decode_only(corpus, out, workers, args.target_shard_mb,
+                                   "shardtrain" if tool.endswith("-shardtrain") else "soundfile")
         if tool == "webdataset":
             return run_webdataset(corpus, out, workers, args.target_shard_mb)
         per_shard = max(1, int(n_files * args.target_shard_mb * (1 << 20) / max(in_bytes, 1)))
@@ -163,9 +180,11 @@ def _run_tool(tool: str, args, corpus: Path, root: Path, workers: int, n_files: 
         shutil.rmtree(out, ignore_errors=True)
 
 
-PAIRS = (("shardtrain", "decode-only"), ("shardtrain-nocheck", "webdataset"), ("shardtrain", "webdataset"))
+PAIRS = (("shardtrain", "decode-only"), ("shardtrain-nocheck", "webdataset"), ("shardtrain", "webdataset"),
+         ("shardtrain", "decode-only-shardtrain"))
 """(tool, reference) pairs whose wall-time ratio the issue sets a goal for: pack with its decode check vs decoding
-the same audio alone with the same cores; pack --no-decode-check vs webdataset's ShardWriter."""
+the same audio alone with the same cores (libsndfile, the issue's reference; and pack's own decoder, for what pack
+costs beyond decoding); pack --no-decode-check vs webdataset's ShardWriter."""
 
 
 def _round(v):
@@ -204,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-shard-mb", type=float, default=16.0, help="shard size for shardtrain and webdataset")
     ap.add_argument("--tools", nargs="+", default=["shardtrain", "shardtrain-nocheck", "webdataset", "lhotse"],
                     help="which tools to run (shardtrain shardtrain-nocheck shardtrain-ray webdataset decode-only "
-                         "lhotse)")
+                         "decode-only-shardtrain lhotse)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the tool list this many times, alternating (A/B), and report each tool's median")
     ap.add_argument("--out", default=None,
@@ -269,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
-        print(f"\n{'tool':<19} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
+        print(f"\n{'tool':<23} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
               f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6} {'x_wds':>6}  phases_s (scan/plan/write/commit)")
         for r in rows:
             ph = r.get("phases_s")
-            print(f"{r['tool']:<19} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
+            print(f"{r['tool']:<23} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
                   f"{r['files_per_s']:>8.0f} {r['audio_h_per_s']:>9.3f} {r['mb_per_s']:>7.1f} {r['shards']:>6} "
                   f"{r.get('x_webdataset', float('nan')):>6.2f}  "
                   + ("/".join(f"{ph[k]:.2f}" for k in ("scan", "plan", "write", "commit")) if ph else ""))
