@@ -3,7 +3,7 @@
     Chunk(rows) -> byte runs (shard, start, end), neighbours within 1 MB merged -> storage.read_range
       (retry + resume at the byte reached; optional whole-shard LRU cache for remote datasets)
       -> per row: ustar headers (checksum, name = index key, size = index size), json text = index text,
-         libsndfile decode into its batch row (thread pool, no GIL)
+         decode into its batch row (dr_flac for FLAC, else libsndfile; thread pool, no GIL)
       -> ChunkBatches: per batch padded PCM [B, T] (pcm_dtype; int16 from workers) in recycled buffers (buffers.py)
 
 Bad data never stops the stream unless `strict`: a sample that fails is recorded with its key and reason
@@ -349,7 +349,7 @@ class ChunkReader:
         arrived (decoding overlaps the rest of the transfer). A batch's memory (recycled: load/buffers.py) is
         taken when its first row is decoded, not when the chunk's reads start: chunks read ahead wait for the
         decode threads (oldest first), so their batches cost memory only once decoding reaches them. The dtype
-        is the trainer's (`pcm_dtype`) in the training process: libsndfile writes float32 as fast as int16, and
+        is the trainer's (`pcm_dtype`) in the training process: the decoder writes float32 as fast as int16, and
         the separate int16 -> float32 pass it replaces cost ~1 ns a sample in the training process's thread
         (~5% of the loader's CPU on 2 cores); same values bit for bit (scale 1/32768). From DataLoader worker
         processes batches are int16, half the bytes through shared memory, and the Loader converts them. Rows of

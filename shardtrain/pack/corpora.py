@@ -35,7 +35,7 @@ import fsspec
 
 from shardtrain.pack.probe import byte_range_ref
 from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
-from shardtrain.pack.sources import Item, Reject, _open_text, _opt_str, _ref, table_rows
+from shardtrain.pack.sources import Item, Reject, _is_local_fs, _open_text, _opt_str, _ref, table_rows
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,10 @@ def detect(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
                                                                                            "clips")):
                 return "commonvoice"
         return None
-    names = set(fs.ls(path, detail=False))
-    has = lambda n: posixpath.join(path, n) in names  # noqa: E731
+    # names only: fsspec's local ls normalises every entry (~14 us each, 0.08 s of a 3,000-file folder's pack)
+    names = set(os.listdir(path)) if _is_local_fs(fs) else {p.rstrip("/").rsplit("/", 1)[-1]
+                                                            for p in fs.ls(path, detail=False)}
+    has = lambda n: n in names  # noqa: E731
     if has("wav.scp") and has("text"):
         return "kaldi"
     if has("clips") and has("validated.tsv"):

@@ -10,7 +10,7 @@ or crafted keeps claiming it. Stored as is, the index promises samples the loade
 The tail check decodes only the end. For FLAC (the format a pack keeps byte for byte by default) it is done on
 the bytes: find the last frame header (sync code, a valid CRC-8), check that its first sample + block size equals
 the claimed total, and decode that one frame (the metadata blocks, with STREAMINFO now claiming that frame's
-samples, + the frame, through libsndfile; a cut or damaged frame fails to decode): ~0.05 ms. Anything that does not pass this fast path (another codec, a false sync
+samples, + the frame, through format.audio.decoded_frames; a cut or damaged frame fails to decode): ~0.05 ms. Anything that does not pass this fast path (another codec, a false sync
 inside audio data, an odd layout) falls back to `seek_tail`, which is exact but costs ~0.2 ms for FLAC (libFLAC
 seeks by bisection, reading a frame per step through Python callbacks). So the fast path only ever accepts; every
 rejection is the exact check's.
@@ -125,7 +125,7 @@ def _flac_tail_ok(data: bytes, total: int) -> bool:
                 first, bs = hdr
                 if first + bs != total:
                     return False
-                try:  # metadata claiming `bs` samples + the last frame: libsndfile decodes just that frame
+                try:  # metadata claiming `bs` samples + the last frame: the decoder decodes just that frame
                     return decoded_frames(_with_total(data[:start], bs) + data[i:]) == bs
                 except AudioError:
                     return False
