@@ -19,6 +19,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 MAX_COLUMNS = 12
+ID_COLUMNS = ("", "tool", "decoder", "storage", "workers", "parallelism", "name", "case")
+"""Columns that say which case a row is: shown first, so the column limit never drops them."""
 MAX_ROWS = 40
 
 
@@ -65,7 +67,8 @@ def _table(rows: list[dict]) -> str:
         for c, v in r.items():
             if c not in cols and not (isinstance(v, list) and len(v) > 3):
                 cols.append(c)
-    cols = cols[:MAX_COLUMNS]
+    first = [c for c in ID_COLUMNS if c in cols]  # what a row is before what it measured (the JSON sorts keys)
+    cols = (first + [c for c in cols if c not in first])[:MAX_COLUMNS]
     lines = ["| " + " | ".join(c or "case" for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows[:MAX_ROWS]:
         lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
