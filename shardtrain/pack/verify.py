@@ -7,7 +7,7 @@
                               ustar headers at the indexed offsets, json, and a full decode of every audio member)
 
 verify costs one full read of the dataset plus one decode per sample (~2 ms per 10 s of FLAC, stack.md); the
-decode runs in a small thread pool because soundfile releases the GIL.
+decode runs in a small thread pool because the decoders release the GIL.
 """
 from __future__ import annotations
 
@@ -128,13 +128,14 @@ def format_inspect(d: dict, max_shard_rows: int = 20) -> str:
 
 
 def _decode_check(key: str, audio: bytes, want_samples: int) -> tuple[str, str] | None:
-    from shardtrain.format.audio import decode
+    """A full decode by the loader's own decoder (decoded_frames: dr_flac for FLAC, which reads a damaged frame
+    short where libsndfile may output it), so verify passes exactly what the loader can decode whole."""
+    from shardtrain.format.audio import decoded_frames
 
     try:
-        wave, _ = decode(audio)
+        n = decoded_frames(audio)
     except Exception as e:  # noqa: BLE001 - any decoder failure is a problem to report, not a crash
         return "decode_failed", f"{type(e).__name__}: {e}"
-    n = int(wave.shape[0])
     if n != want_samples:
         return "num_samples_mismatch", f"decoded {n} samples, index says {want_samples}"
     return None
