@@ -206,9 +206,9 @@ def test_decode_and_target_validation(tmp_path):
         AudioTarget(codec="aac")
 
 
-def _flac_bytes(pcm: np.ndarray, rate_hz: int = 16000, fmt: str = "FLAC") -> bytes:
+def _flac_bytes(pcm: np.ndarray, rate_hz: int = 16000, fmt: str = "FLAC", subtype: str = "PCM_16") -> bytes:
     buf = io.BytesIO()
-    sf.write(buf, pcm, rate_hz, format=fmt, subtype="PCM_16")
+    sf.write(buf, pcm, rate_hz, format=fmt, subtype=subtype)
     return buf.getvalue()
 
 
@@ -297,6 +297,16 @@ def test_flac_goes_through_dr_flac_bit_identical_to_libsndfile(monkeypatch):
             assert fast.tobytes() == ref.tobytes()
         assert audio.DR_FLAC.decoded_frames(data) == audio._decoder().decoded_frames(data) == n
     assert audio.DR_FLAC.decode_into(b"RIFF" + bytes(60), np.zeros(10, np.float32)) is None  # not FLAC: refused
+    # 24-bit FLAC: the same samples too; stereo FLAC: dr_flac declines (-channels), libsndfile downmixes
+    deep = _flac_bytes(pcm.astype(np.int32) << 8, subtype="PCM_24")
+    fast, ref = np.zeros(len(pcm), np.float32), np.zeros(len(pcm), np.float32)
+    assert audio.DR_FLAC.decode_into(deep, fast) == audio._decoder().decode_into(deep, ref) == len(pcm)
+    assert fast.tobytes() == ref.tobytes()
+    stereo = _flac_bytes(np.stack([pcm, pcm // 3], axis=1))
+    assert audio.DR_FLAC.decode_into(stereo, np.zeros(len(pcm), np.float32)) == -2
+    out = np.zeros(len(pcm), np.float32)
+    assert audio.decode_into(stereo, out) == len(pcm)
+    np.testing.assert_array_equal(out, sf.read(io.BytesIO(stereo), dtype="float32")[0].mean(axis=1))
     monkeypatch.setattr(audio, "DR_FLAC", None)
     out = np.zeros(len(pcm), np.float32)
     assert audio.decode_into(data, out) == len(pcm) and np.array_equal(out, pcm / np.float32(32768))
