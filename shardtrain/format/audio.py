@@ -12,11 +12,14 @@ what lets the loader decode in threads of one process. Probing and transcoding i
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import soundfile as sf
@@ -81,7 +84,7 @@ class _DrFlac:
     corpus's members: 0.58-0.64 against 1.02-1.24 CPU-s (float32), 0.66-0.75 against 0.93-1.30 (int16), output
     identical bit for bit (16-bit FLAC scales by 2^-15 in both). Unlike libFLAC through libsndfile, a frame
     that fails its CRC is dropped, not output: damage reads short, which callers already treat as bad audio.
-    A stream dr_flac cannot open (not FLAC, an odd layout) goes to libsndfile as before.
+    A stream dr_flac cannot open (not FLAC, an odd layout) goes to libsndfile.
     """
 
     def __init__(self) -> None:
@@ -92,39 +95,44 @@ class _DrFlac:
         self.read = {"f": (lib.ma_dr_flac_read_pcm_frames_f32, "float *"),
                      "h": (lib.ma_dr_flac_read_pcm_frames_s16, "ma_dr_flac_int16 *")}
 
+    @contextlib.contextmanager
+    def _opened(self, data) -> Iterator[Any]:
+        """A dr_flac decoder over `data` (closed on exit), or None when dr_flac cannot open the stream."""
+        src = self.ffi.from_buffer(data)  # alive until close: dr_flac reads from it
+        handle = self.open_memory(src, len(data), self.ffi.NULL)
+        if handle == self.ffi.NULL:
+            yield None
+            return
+        try:
+            yield handle
+        finally:
+            self.close(handle)
+
     def decode_into(self, data, out: np.ndarray) -> int | None:
         """Samples written into `out`; -channels for a multi-channel stream (the caller downmixes); None when
         dr_flac cannot open the stream."""
-        src = self.ffi.from_buffer(data)  # kept alive until close: dr_flac reads from it
-        handle = self.open_memory(src, len(data), self.ffi.NULL)
-        if handle == self.ffi.NULL:
-            return None
-        try:
+        with self._opened(data) as handle:
+            if handle is None:
+                return None
             if handle.channels != 1:
                 return -int(handle.channels)
             read, ctype = self.read[out.dtype.char]
             return int(read(handle, len(out), self.ffi.cast(ctype, self.ffi.from_buffer(out))))
-        finally:
-            self.close(handle)
 
     def decoded_frames(self, data) -> int | None:
         """Frames a full decode yields (16k frames at a time into one scratch buffer); None when dr_flac cannot
         open the stream."""
-        src = self.ffi.from_buffer(data)
-        handle = self.open_memory(src, len(data), self.ffi.NULL)
-        if handle == self.ffi.NULL:
-            return None
-        try:
+        with self._opened(data) as handle:
+            if handle is None:
+                return None
             block = 1 << 14
             scratch = self.ffi.new("ma_dr_flac_int16[]", block * max(1, int(handle.channels)))
-            read, total = self.lib.ma_dr_flac_read_pcm_frames_s16, 0
+            read, total = self.read["h"][0], 0
             while True:
                 got = int(read(handle, block, scratch))
                 total += got
                 if got < block:
                     return total
-        finally:
-            self.close(handle)
 
 
 def _dr_flac() -> _DrFlac | None:

@@ -162,13 +162,8 @@ def publish_marker(output: str, storage_options: dict | None, marker: dict, sync
     PUT, durable when the PUT returned."""
     from shardtrain import storage
 
-    if not synced and storage.is_local(output):
-        _, path = storage.fs_and_path(storage.join(output, marker["info"]["name"]), storage_options)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    if not synced:
+        storage.sync(storage.join(output, marker["info"]["name"]), storage_options)
     storage.atomic_write_bytes(storage.join(output, "_work/" + marker_name(marker["shard"])),
                                json.dumps(marker, sort_keys=True).encode(), storage_options)
 

@@ -10,8 +10,8 @@ or crafted keeps claiming it. Stored as is, the index promises samples the loade
 The tail check decodes only the end. For FLAC (the format a pack keeps byte for byte by default) it is done on
 the bytes: find the last frame header (sync code, a valid CRC-8), check that its first sample + block size equals
 the claimed total, and decode that one frame (the metadata blocks, with STREAMINFO now claiming that frame's
-samples, + the frame, through format.audio.decoded_frames; a cut or damaged frame fails to decode): ~0.05 ms. Anything that does not pass this fast path (another codec, a false sync
-inside audio data, an odd layout) falls back to `seek_tail`, which is exact but costs ~0.2 ms for FLAC (libFLAC
+samples, + the frame, through format.audio.decoded_frames; a cut or damaged frame fails to decode): ~0.03 ms.
+Anything that does not pass this fast path (another codec, a false sync inside audio data, an odd layout) falls back to `seek_tail`, which is exact but costs ~0.2 ms for FLAC (libFLAC
 seeks by bisection, reading a frame per step through Python callbacks). So the fast path only ever accepts; every
 rejection is the exact check's.
 """

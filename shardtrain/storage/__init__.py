@@ -1,6 +1,6 @@
 """storage: where bytes live. The only room that talks to a filesystem or an object store.
 
-    fs.py         fsspec access (path, file://, s3://): exists/ls/read/atomic write, ranged reads with retry,
+    fs.py         fsspec access (path, file://, s3://): exists/ls/read/atomic write/sync, ranged reads with retry,
                   local runs read straight into the caller's buffer
     s3http.py     direct S3 reads over presigned URLs and keep-alive http.client connections (the loader's path)
     clock.py      time without progress per read, enforced while waiting by a watchdog (stall, trickle)
@@ -15,10 +15,10 @@ Imports nothing from the rest of shardtrain. `from shardtrain import storage; st
 from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, StorageUnavailable,
                                    atomic_write_bytes, commit_local_file, copy_into, credentials_error, exists,
                                    fill_range, fs_and_path, is_local, is_transient, iter_range, join, ls_names,
-                                   makedirs, open_ranged, presign, read_bytes, read_range, remove, size)
+                                   makedirs, open_ranged, presign, read_bytes, read_range, remove, size, sync)
 from shardtrain.storage.redact import StorageOptions
 
 __all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "StorageOptions", "StorageUnavailable",
            "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range",
            "fs_and_path", "is_local", "is_transient", "iter_range", "join", "ls_names", "makedirs", "open_ranged",
-           "presign", "read_bytes", "read_range", "remove", "size"]
+           "presign", "read_bytes", "read_range", "remove", "size", "sync"]

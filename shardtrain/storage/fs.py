@@ -213,6 +213,20 @@ def atomic_write_bytes(url: str | os.PathLike, data: bytes, storage_options: dic
         fs.invalidate_cache(path)
 
 
+def sync(url: str | os.PathLike, storage_options: dict | None = None) -> None:
+    """Make a written file durable: fsync a local file by path; nothing on an object store, where an object is
+    durable once its PUT returned. For data whose readiness is recorded elsewhere (a done-marker, a manifest)
+    after the bytes reach the disk, not before."""
+    url = str(url)
+    if not is_local(url):
+        return
+    fd = os.open(fs_and_path(url, storage_options)[1], os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def commit_local_file(tmp_path: str | os.PathLike, url: str | os.PathLike, storage_options: dict | None = None) -> None:
     """Publish a finished local temp file at `url` and remove the temp: rename locally, upload whole on S3.
 

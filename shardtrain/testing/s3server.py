@@ -107,8 +107,8 @@ class LocalS3:
         max_volumes: int = 10_000,
     ) -> None:
         self.access_key = access_key
-        self.max_volumes = max_volumes
         self.secret_key = secret_key
+        self.max_volumes = max_volumes
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._weed = weed
@@ -157,9 +157,9 @@ class LocalS3:
             weed, "mini", f"-dir={self._data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
-            # Each bucket is a collection that grows 7 volumes on its first write; the default cap is free disk /
-            # 128 MB, which on a fuller disk ran out after ~25 buckets (PutObject -> InternalError "no free
-            # volumes left" late in a test session). Volumes are not preallocated, so a high cap costs nothing.
+            # Each bucket is a collection that grows its own volumes on its first write; the default cap, free disk
+            # / 128 MB, ran out after ~25 buckets with 26 GB free (PutObject -> InternalError "no free volumes
+            # left" late in a test session). Volumes are not preallocated, so a high cap costs nothing.
             f"-volume.max={self.max_volumes}",
             f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
             f"-filer.port={filer}", f"-admin.port={admin}",

@@ -53,17 +53,9 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _RANK_FILE = re.compile(r"^rank\d{5}\.pt$")
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save(obj: object, path: Path) -> None:
     torch.save(obj, path)
-    _fsync_file(path)
+    storage.sync(path)
 
 
 def rank_files(world_size: int) -> list[str]:
@@ -161,7 +153,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
             raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
         meta_path = tmp / "meta.json"
         meta_path.write_text(json.dumps(_commit_meta(meta, step, world_size), indent=1))
-        _fsync_file(meta_path)
+        storage.sync(meta_path)
         if final.exists():  # the same step saved again after a restart: move the old copy aside first
             os.replace(final, root / f".tmp-old-{final.name}")
         os.replace(tmp, final)  # the commit point
