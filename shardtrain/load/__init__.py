@@ -12,6 +12,7 @@
     blockplan.py the epoch plan at block granularity for 100M-row corpora (stream.planner=blocks; auto from 4M rows)
     mapped.py   the index as a node-shared memory map (built once per node) for the block planner
     bench.py    the loader timed per stage (`shardtrain bench`)
+    errors.py   StreamError, importable without torch (the CLI classifies errors with it)
 
 Nothing here is imported by `shardtrain/__init__` eagerly, so `shardtrain pack` never loads torch.
 """
