@@ -10,6 +10,7 @@ torchaudio's sinc resampler and encoded with soundfile.
 from __future__ import annotations
 
 import io
+import logging
 from dataclasses import dataclass
 from typing import IO
 
@@ -17,11 +18,14 @@ import numpy as np
 import soundfile as sf
 
 from shardtrain.pack.sources import Item
-from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo, decoded_frames
+from shardtrain.format.audio import (FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, check_finite, decoded_frames,
+                                     float_to_int16)
 from shardtrain.format.codecs import CODECS, SF_FORMAT
 from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, MP3_RATES_HZ, open_audio, read_audio_bytes
 from shardtrain.pack.probe import OPUS_RATES_HZ
 from shardtrain.pack.tailcheck import check_tail, seek_tail
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,17 +120,42 @@ def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, wher
         with sf.SoundFile(src) as f:
             seek_tail(f, start + count, where)
             f.seek(start)
-            x = f.read(count, dtype=dtype, always_2d=True)
+            floats = f.subtype in FLOAT_SUBTYPES  # read as float: libsndfile's float->int read does not scale
+            x = f.read(count, dtype="float32" if floats else dtype, always_2d=True)
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{where}: {e}") from e
     if len(x) != count:
         raise AudioError("truncated_audio", f"{where}: expected {count} samples from {start}, decode yields "
                                             f"{len(x)}")
+    if floats:
+        check_finite(x, where)
+        _warn_clipping(x, where)
+        if dtype == "int16":
+            x = float_to_int16(x)
     return x
 
 
-def _to_int16(x: np.ndarray) -> np.ndarray:
-    return np.clip(np.round(x * 32768.0), -32768, 32767).astype(np.int16)
+def _warn_clipping(x: np.ndarray, where: str) -> None:
+    """Float audio past full scale is clipped when stored as 16-bit; say so (with the key) rather than scale it,
+    which would change the level of the whole file for a few loud samples."""
+    over = int(np.count_nonzero(np.abs(x) > 1.0))
+    if over:
+        log.warning("%s: %d float samples past full scale (peak %.2f) clip at 16 bits", where, over,
+                    float(np.abs(x).max()))
+
+
+def _check_kept_floats(data: bytes, info: AudioInfo, where: str) -> None:
+    """A kept-original WAV of float samples is scanned for NaN/Inf (the loader would find them mid-epoch)."""
+    if info.codec != "wav":
+        return  # FLAC is integer; Opus and MP3 decoders produce finite samples
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            if f.subtype not in FLOAT_SUBTYPES:
+                return
+            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
+                check_finite(block, where)
+    except SF_ERRORS as e:
+        raise AudioError("unreadable_audio", f"{where}: {e}") from e
 
 
 def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_options: dict | None = None
@@ -149,6 +178,7 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
             _verify_bytes(data, info, item.audio)
         else:  # still never store a header that lies about its length (the loader would find out mid-epoch)
             check_tail(data, info, item.audio)
+        _check_kept_floats(data, info, item.audio)
         return data, info
 
     if info.channels != target.channels and target.channels != 1 and info.channels != 1:
@@ -182,7 +212,9 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
         finally:
             torch.set_num_threads(threads)
         x = y.T.numpy()
-    pcm = _to_int16(x) if as_float else x
+    if as_float:
+        check_finite(x, item.audio)  # downmixed or resampled: the sinc filter spreads one NaN over its window
+    pcm = float_to_int16(x) if as_float else x
     if len(pcm) == 0:
         raise AudioError("empty_audio", f"{item.audio}: segment resamples to 0 samples")
     fmt, subtype = SF_FORMAT[target.codec]
