@@ -14,6 +14,8 @@
     packer.py      PackConfig and pack(): parts -> engine.scan -> make_plan -> engine.write -> index -> manifest
     lifeline.py    pool workers die with the pack that started them (PDEATHSIG + a parent-watch thread)
     verify.py      `shardtrain inspect [--verify]`: summaries and integrity checks of a packed dataset
+    safeio.py      bounded reads of untrusted input files (regular files only, at most a limit, never blocking)
+    tailcheck.py   does an audio file's content reach the length its header claims (without a full decode)
 """
 from shardtrain.pack.packer import PackConfig, PackResult, pack
 from shardtrain.pack.shard_task import PackError
