@@ -10,5 +10,6 @@
     tar.py       the byte-reproducible ustar writer and header reader (member offsets for the index)
     codecs.py    the codecs a shard may store (flac, wav, opus, mp3): one definition for writer, reader and CLI
     audio.py     the decoders (bytes -> samples; the loader's GIL-free decode_into, float sources at true level)
+    audioref.py  `<file>#bytes=START-END` audio references: one parser, one size bound, for pack and infer
     arrownp.py   Arrow columns as numpy arrays without pyarrow's lazy pandas import
 """
