@@ -149,8 +149,9 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     broken dataset, too much bad data. Programming errors keep their tracebacks."""
     from shardtrain.format.manifest import DatasetError
     from shardtrain.load.errors import StreamError
+    from shardtrain.train.guards import TrainingHalted
 
-    return (StreamError, DatasetError, OSError)
+    return (StreamError, DatasetError, OSError, TrainingHalted)
 
 
 def _bound_malloc_heap(env: Mapping[str, str] | None = None) -> bool:

@@ -100,6 +100,14 @@ class TrainConfig:
     """torch intra-op threads when training on the CPU; 0 keeps torch's default. On a busy machine (or beside the
     loader's decode threads) 1 can be several times faster for small models: OpenMP threads spin-wait on each
     other when a core is taken (measured: 8.5 s vs 54 s for 30 tiny steps on 2 loaded cores)."""
+    max_nonfinite_steps: int = 5
+    """Stop the run (one line, exit 1) after this many optimiser steps in a row skipped for a NaN/Inf loss or
+    gradient (train/guards.py); a single one is skipped and counted. fp16's GradScaler backoff (an overflowing
+    gradient with a finite loss) is counted apart and never stops a run."""
+    max_impossible_share: float = 0.5
+    """Stop the run when more than this share of the utterances of the last `guards.WINDOW_STEPS` steps had
+    targets CTC cannot align (more labels, counting repeats, than output frames); below it they are skipped and
+    counted (train/guards.py). 1.0 never stops."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -123,6 +131,8 @@ class TrainConfig:
             raise ValueError(f"train.elastic_batch must be 'accumulate', 'scale_lr' or 'none', got {self.elastic_batch!r}")
         if self.cpu_threads < 0:
             raise ValueError("train.cpu_threads must be >= 0 (0 = torch default)")
+        if self.max_nonfinite_steps < 1 or not 0.0 < self.max_impossible_share <= 1.0:
+            raise ValueError("train.max_nonfinite_steps must be >= 1 and train.max_impossible_share in (0, 1]")
         if self.log_every_steps < 1 or self.keep_last < 0:
             raise ValueError("train.log_every_steps must be >= 1 and train.keep_last >= 0")
         val_sets(self)  # names unique and well-formed, no URL twice: refused here, not at the first validation

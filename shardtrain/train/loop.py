@@ -56,6 +56,7 @@ from shardtrain.train.budget import read_budget
 from shardtrain.train.closedloop import ClosedLoop, table_of, with_table
 from shardtrain.train.memory import MemoryMeter, total_bytes
 from shardtrain.train.update import SplitLevels, broadcast_params, optimiser_step
+from shardtrain.train.guards import StepGuard, check_finite_weights
 from shardtrain.train.evaluate import evaluate, metrics_row
 from shardtrain.train.metrics import MetricsLogger
 from shardtrain.train.model import build_model, num_parameters
@@ -180,6 +181,8 @@ class _Run:
     """Steps redone in parts after an out-of-memory error, over the whole run."""
     budget_state: dict | None = None
     """The closed loop's state from the checkpoint (train/closedloop.py), applied in _prepare."""
+    guard: StepGuard | None = None
+    """Skipped non-finite steps and impossible targets (train/guards.py); set when training starts."""
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
@@ -317,6 +320,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     # peak memory per step: for the closed loop, or reported (mem_peak_mb) when a memory limit is set
     mem = MemoryMeter(device, run.raw_model, run.optimizer) if closed.active or cfg.budget.memory_limit_mb else None
     run.model.train()
+    run.guard = StepGuard(max_nonfinite_steps=tc.max_nonfinite_steps, max_impossible_share=tc.max_impossible_share)
     try:
         while run.step < tc.max_steps:
             t0 = time.perf_counter()
@@ -349,6 +353,10 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                                  lambda b: augment_seed(tc.seed, b.epoch, b.step, world.rank),
                                  table=closed.table, splits=run.splits, meter=mem, fault=oom_point)
             loss, global_tokens = res.loss, res.global_tokens
+            run.guard.after_step(run.step + 1, nonfinite=res.nonfinite, overflow=res.overflow,
+                                 impossible=res.impossible, samples=res.samples)
+            if res.nonfinite:  # nothing was learned: the interval's loss stays finite
+                loss, global_tokens = 0.0, 0.0
             for bucket, peak in res.peaks:
                 meter.mem_peak = max(meter.mem_peak, peak)
                 closed.record(bucket, peak)
@@ -387,7 +395,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             keylog.close()
         bar.close()
         metrics.close()
-    return {**last, "step": run.step, "out_dir": tc.out_dir, "oom_splits": run.oom_splits}
+    return {**last, "step": run.step, "out_dir": tc.out_dir, "oom_splits": run.oom_splits, **run.guard.counters()}
 
 
 def _epoch_boundary(cfg: RunConfig, run: _Run, closed: ClosedLoop, comm: Collectives, device: torch.device,
@@ -403,6 +411,7 @@ def _log_interval(run: _Run, meter: _Interval, loader, comm: Collectives, epoch:
     """One metrics row (one all-reduce); without a terminal (torchrun, SLURM, a pipe) also one progress line."""
     row = meter.row(run, comm, float(loader.stats()["skipped"]), epoch, device)
     row.update(_dataset_seconds(loader, comm))
+    row.update(run.guard.counters() if run.guard is not None else {})
     metrics.log(row)
     bar.set_postfix(loss=f"{row['loss']:.3f}")
     if bar.disable and world.is_main:
@@ -498,6 +507,7 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
                   "tokenizer": run.tok.to_json(),
                   "budget": json.dumps({"splits": run.splits.to_json(), "oom_splits": run.oom_splits,
                                         "closed_loop": closed.state()})} if world.is_main else None
+    check_finite_weights(run.raw_model, run.step)  # every rank holds the same weights: all refuse together
     if run.ledger is not None:  # before the checkpoint commits: a file without its checkpoint is cut on resume
         run.ledger.flush(run.step)
     path = ckpt.save_checkpoint(

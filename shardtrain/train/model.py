@@ -99,6 +99,9 @@ class SpeechModel(Protocol):
         """Token ids per utterance (no blanks), for CER/WER."""
         ...
 
+    # Optional: `output_lengths(feat_lengths) -> [B]` output frames per utterance. With it, targets CTC cannot
+    # align are dropped (and counted) before the loss (train/guards.py); without it they only add zero loss.
+
 
 def subsampled_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Frames after two unpadded 3x3 stride-2 convolutions: L -> (L-1)//2 -> ((L-1)//2 - 1)//2."""
@@ -269,6 +272,10 @@ class CTCModel(nn.Module):
             x = x.masked_fill(pad[..., None], 0.0)
         logits = self.head(self.norm(x))
         return F.log_softmax(logits.float(), dim=-1), out_lengths
+
+    def output_lengths(self, feat_lengths: torch.Tensor) -> torch.Tensor:
+        """Output frames per utterance for these feature lengths (what CTC can align a target in; guards.py)."""
+        return subsampled_lengths(feat_lengths).clamp(min=0)
 
     def forward(self, feats: torch.Tensor, feat_lengths: torch.Tensor, targets: torch.Tensor,
                 target_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardtrain.load.batch import Batch
 from shardtrain.train.budget import Table, bucket_of
+from shardtrain.train.guards import alignable, is_finite, keep_utterances
 from shardtrain.train.memory import MemoryMeter, free_after_oom, is_oom
 from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
 from shardtrain.world import World
@@ -79,6 +80,14 @@ class StepResult:
     """(bucket, peak bytes) of each of this rank's micro-batches."""
     events: list[dict] = field(default_factory=list)
     """oom_split rows (without "step"), the same on every rank."""
+    samples: int = 0
+    """Utterances trained on, all ranks."""
+    impossible: int = 0
+    """Utterances dropped before the loss, all ranks: targets CTC cannot align (guards.py)."""
+    nonfinite: bool = False
+    """The optimiser step was skipped on every rank: a NaN/Inf loss or gradient somewhere."""
+    overflow: bool = False
+    """fp16 only: GradScaler found an overflowing gradient with a finite loss and skipped the step (backoff)."""
 
 
 @dataclass(slots=True)
@@ -89,6 +98,40 @@ class _Item:
     targets: torch.Tensor
     target_lengths: torch.Tensor
     bucket: int
+    empty: bool = False
+    """Nothing of this micro-batch trains (no sample, or none CTC can align): a dummy forward joins the step."""
+
+
+def _prepare(cfg: RunConfig, run, micro: list, world: World, device: torch.device, augmenters: Augmenters,
+             seed_of: Callable[[Batch], int], table: Table | None) -> tuple[list[_Item], int]:
+    """Each micro-batch on the device, augmented (no_grad), without the utterances CTC cannot align: the items
+    and how many utterances were dropped. One device->host copy of a bool per utterance when the model reports
+    its output lengths (the forward needs the augmentation done anyway)."""
+    items, dropped = [], 0
+    for batch, _ in micro:
+        waves, lengths, targets, target_lengths = to_device(batch, device, run.tok)
+        gen = torch.Generator().manual_seed(seed_of(batch))
+        with torch.no_grad():
+            feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, gen, train=cfg.train.augment)
+        longest = float(batch.durations_s.max()) if len(batch) else 0.0
+        it = _Item(batch, feats, feat_lengths, targets, target_lengths, bucket_of(table, longest), len(batch) == 0)
+        ok = None if it.empty else alignable(run.raw_model, feat_lengths, targets, target_lengths)
+        if ok is not None and not bool(ok.all()):
+            keep = ok.cpu()
+            bad = [k for k, good in zip(batch.keys, keep.tolist()) if not good]
+            dropped += len(bad)
+            log.warning("rank %d: %d utterance(s) with targets longer than their output frames allow, not trained "
+                        "(epoch %d, batch %d): %s", world.rank, len(bad), batch.epoch, batch.step,
+                        ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
+            if bool(keep.any()):
+                it.feats, it.feat_lengths, it.targets, it.target_lengths = keep_utterances(
+                    ok, feats, feat_lengths, targets, target_lengths)
+            else:  # the first utterance joins the step as a dummy, its loss times 0
+                it.empty = True
+                it.feats, it.feat_lengths = feats[:1], feat_lengths[:1]
+                it.targets, it.target_lengths = targets[:0], target_lengths[:1] * 0
+        items.append(it)
+    return items, dropped
 
 
 def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch.device, comm: Collectives,
@@ -96,35 +139,26 @@ def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch
                    splits: SplitLevels, meter: MemoryMeter | None, fault: Callable[[], None]) -> StepResult:
     """One optimiser step over `grad_accum_steps` micro-batches (module docstring); `fault` is the in-step
     fault seam, called before the forward of each unsplit first attempt."""
-    tc = cfg.train
-    encoded = [to_device(b, device, run.tok) for b, _ in micro]
-    local_tokens = float(sum(e[2].numel() for e in encoded))  # shape only: no device sync
-    local_samples = float(sum(len(b) for b, _ in micro))
-    global_tokens, global_samples = comm.sum([local_tokens, local_samples])
-    res = StepResult(global_tokens=global_tokens)
-    if global_samples == 0:  # every rank's batch is empty: no forward, no step (the caller counts these)
+    items, dropped = _prepare(cfg, run, micro, world, device, augmenters, seed_of, table)
+    local_tokens = float(sum(0 if it.empty else it.targets.numel() for it in items))  # shape only: no sync
+    local_samples = float(sum(0 if it.empty else len(it.feat_lengths) for it in items))
+    global_tokens, global_samples, impossible = comm.sum([local_tokens, local_samples, float(dropped)])
+    res = StepResult(global_tokens=global_tokens, samples=int(global_samples), impossible=int(impossible))
+    if global_samples == 0:  # no rank has a sample to train on: no forward, no step (the caller counts these)
         b = micro[-1][0]
-        log.warning("every rank's batch is empty (epoch %d, batch %d): step %d not taken", b.epoch, b.step,
+        log.warning("no rank has a sample to train on (epoch %d, batch %d): step %d not taken", b.epoch, b.step,
                     run.step + 1)
         res.global_tokens = 0.0
         return res
     if global_tokens > 0:
-        items = []
-        for (batch, _), (waves, lengths, targets, target_lengths) in zip(micro, encoded):
-            gen = torch.Generator().manual_seed(seed_of(batch))
-            with torch.no_grad():
-                feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, gen, train=tc.augment)
-            longest = float(batch.durations_s.max()) if len(batch) else 0.0
-            items.append(_Item(batch, feats, feat_lengths, targets, target_lengths, bucket_of(table, longest)))
-            if len(batch) == 0 and batch.planned == 0:  # a bucket with fewer rows than ranks: not an error
-                log.info("rank %d: batch empty by plan (epoch %d, batch %d: a budget-table bucket with fewer rows "
-                         "than ranks); joining step %d with a silent dummy", world.rank, batch.epoch, batch.step,
-                         run.step + 1)
-            elif len(batch) == 0:
+        for it in items:
+            if len(it.batch) == 0 and it.batch.planned == 0:  # a bucket with fewer rows than ranks: not an error
+                log.info("rank %d: batch empty by plan (epoch %d, batch %d); joining step %d with a silent dummy",
+                         world.rank, it.batch.epoch, it.batch.step, run.step + 1)
+            elif len(it.batch) == 0:
                 log.warning("rank %d: empty batch (epoch %d, batch %d): all %s planned samples failed to decode; "
-                            "joining step %d with a silent dummy", world.rank, batch.epoch, batch.step,
-                            batch.planned if batch.planned > 0 else "its", run.step + 1)
-        del encoded
+                            "joining step %d with a silent dummy", world.rank, it.batch.epoch, it.batch.step,
+                            it.batch.planned if it.batch.planned > 0 else "its", run.step + 1)
         scale = world.world_size / global_tokens
         if cfg.budget.oom_split:
             loss = _accumulate_safe(cfg, run, items, world, device, comm, scale, splits, meter, fault, res)
@@ -132,17 +166,37 @@ def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch
                 all_reduce_grads(run.raw_model, world.world_size)
         else:
             loss = _accumulate_ddp(cfg, run, items, device, scale, meter, res)
-        if tc.grad_clip_norm > 0:
-            run.scaler.unscale_(run.optimizer)
-            torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), tc.grad_clip_norm)
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        res.loss = float(loss)  # device->host sync once per step
-        run.scheduler.step()
+        _apply_update(cfg, run, comm, loss, res)
     else:  # the step counter and the LR schedule do not move for a step that saw no data (see loop._train)
         log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
     run.optimizer.zero_grad(set_to_none=True)
     return res
+
+
+def _apply_update(cfg: RunConfig, run, comm: Collectives, loss: torch.Tensor, res: StepResult) -> None:
+    """Unscale, clip and step, unless the loss or the gradients are not finite on some rank: then every rank skips
+    the optimiser step. The gradients are the same on every rank after their all-reduce, the loss is this rank's:
+    one all-reduce of two flags agrees on it (the per-step loss read syncs the device anyway). The scheduler
+    moves either way: the step was taken, its update was not. fp16: GradScaler's own skip of an overflowing
+    gradient with a finite loss is loss-scale backoff, counted as `overflow`, never as a non-finite step."""
+    run.scaler.unscale_(run.optimizer)  # a no-op without fp16
+    grads = [p.grad for p in run.raw_model.parameters() if p.grad is not None]
+    if cfg.train.grad_clip_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.train.grad_clip_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    res.loss = float(loss)  # device->host sync once per step
+    bad_loss, bad_grad = comm.max([float(not is_finite(res.loss)), float(not is_finite(norm))])
+    scaling = run.scaler.is_enabled()
+    res.nonfinite = bool(bad_loss) or (bool(bad_grad) and not scaling)
+    res.overflow = bool(bad_grad) and scaling and not bad_loss
+    if res.nonfinite:
+        run.optimizer.zero_grad(set_to_none=True)
+    else:
+        run.scaler.step(run.optimizer)  # skips by itself on an fp16 overflow
+    if scaling:
+        run.scaler.update()
+    run.scheduler.step()
 
 
 def _pieces(it: _Item, parts: int) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -178,7 +232,7 @@ def _accumulate_ddp(cfg: RunConfig, run, items: list[_Item], device: torch.devic
         last = i == len(items) - 1
         sync = contextlib.nullcontext() if last or not isinstance(run.model, DDP) else run.model.no_sync()
         with sync:
-            loss_acc += _forward_backward(run.model, cfg, run, device, next(_pieces(it, 1)), len(it.batch) == 0,
+            loss_acc += _forward_backward(run.model, cfg, run, device, next(_pieces(it, 1)), it.empty,
                                           scale, meter)
         if meter is not None:
             res.peaks.append((it.bucket, meter.take()))
@@ -191,7 +245,7 @@ def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, devi
     """Forward + backward of every micro-batch without gradient sync, redone in more parts after an OOM on any
     rank until no rank fails (module docstring). Returns this rank's summed loss."""
     n, ws = len(items), world.world_size
-    parts = [1 if len(it.batch) == 0 else splits.get(it.batch.epoch, it.bucket) for it in items]
+    parts = [1 if it.empty else splits.get(it.batch.epoch, it.bucket) for it in items]
     todo, first, rounds = True, True, 0
     loss_acc = torch.zeros((), device=device)
     while True:
@@ -203,7 +257,7 @@ def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, devi
                     for piece in _pieces(it, parts[failed]):
                         if first and parts[failed] == 1:
                             fault()
-                        loss_acc += _forward_backward(run.raw_model, cfg, run, device, piece, len(it.batch) == 0,
+                        loss_acc += _forward_backward(run.raw_model, cfg, run, device, piece, it.empty,
                                                       scale, meter)
                     if meter is not None:
                         peaks.append((it.bucket, meter.take()))
@@ -215,8 +269,8 @@ def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, devi
                 log.warning("rank %d: out of memory in step %d, micro-batch %d (%d utterances in %d part(s)): %s",
                             world.rank, run.step + 1, failed, len(items[failed].batch), parts[failed],
                             str(e).splitlines()[0][:200])
-                flags[world.rank * n + failed] = float(len(items[failed].batch))
-                flags[-1] = float(parts[failed] >= len(items[failed].batch))
+                flags[world.rank * n + failed] = float(len(items[failed].feat_lengths))
+                flags[-1] = float(parts[failed] >= len(items[failed].feat_lengths))
             if todo:  # this rank failed: drop the attempt's tensors and gradients, then redo it all
                 loss_acc = torch.zeros((), device=device)
                 run.optimizer.zero_grad(set_to_none=True)
@@ -232,7 +286,7 @@ def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, devi
         rounds += 1
         failed_at = [(r, i) for r in range(ws) for i in range(n) if got[r * n + i] > 0]
         for i in sorted({i for _, i in failed_at}):
-            parts[i] = min(2 * parts[i], max(1, len(items[i].batch)))
+            parts[i] = min(2 * parts[i], max(1, len(items[i].feat_lengths)))
             splits.raise_to(items[i].batch.epoch, items[i].bucket, parts[i])
         res.events.append({"event": "oom_split", "ranks": sorted({r for r, _ in failed_at}),
                            "micro_batches": sorted({i for _, i in failed_at}), "round": rounds,
