@@ -13,7 +13,7 @@ from shardtrain.format.safe import printable, printable_lines
 def _add_pack(sub) -> None:
     import os
 
-    from shardtrain.pack.packer import DEFAULT_MIN_DURATION_S
+    from shardtrain.pack.packer import DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S
 
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
@@ -57,6 +57,10 @@ def _add_pack(sub) -> None:
                         f"all; default: {DEFAULT_MIN_DURATION_S})")
     p.add_argument("--max-duration-s", "--max-duration", dest="max_duration", type=float, default=None,
                    help="reject utterances longer than this, reason too_long (seconds; default: no limit)")
+    p.add_argument("--max-chars-per-s", dest="max_chars_per_s", type=float, default=DEFAULT_MAX_CHARS_PER_S,
+                   help="reject transcripts with more characters than this x duration + 10, reason "
+                        "impossible_target: no CTC model can align them (read speech is ~15 a second; 0 turns the "
+                        f"check off; default: {DEFAULT_MAX_CHARS_PER_S:g})")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
     p.add_argument("--engine", default="local", choices=("local", "ray"),
@@ -86,6 +90,7 @@ def _cmd_pack(args) -> int:
             decode_check=not args.no_decode_check,
             target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
             min_duration_s=args.min_duration or None, max_duration_s=args.max_duration, workers=args.workers,
+            max_chars_per_s=args.max_chars_per_s or None,
             strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
             engine=args.engine, ray_address=args.ray_address,
         )

@@ -169,8 +169,10 @@ def publish_marker(output: str, storage_options: dict | None, marker: dict, sync
 
 
 def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict]]:
-    """Encode every sample of the task: ([(stored duration_s, key, sample, stored info, bytes)] in write order,
-    [reject rows]). One failing sample is a reject (PackError under strict), never the whole shard."""
+    """Encode every sample of the task: ([(stored duration_s, key, sample, stored info, bytes, json)] in write
+    order, [reject rows]). One failing sample is a reject (PackError under strict), never the whole shard; so is
+    one a reader would refuse (format/limits via itemcheck.stored_problem: member sizes, stored rate)."""
+    from shardtrain.pack.itemcheck import ItemError, stored_problem
     from shardtrain.pack.transcode import encode_for_shard
 
     encoded, rejects = [], []
@@ -181,6 +183,10 @@ def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict]]:
                 raise ValueError(f"stored codec {stored.codec!r} is not one of {CODECS}")
             if stored.num_samples <= 0 or not data:
                 raise ValueError("encoded audio is empty")
+            meta = sample_json(s, stored)
+            problem = stored_problem(s.item, stored, len(data), len(meta))  # what a reader would refuse
+            if problem is not None:
+                raise ItemError(*problem)
         except Exception as e:  # noqa: BLE001 - any failure of one sample rejects that sample only
             reason, detail = error_reason(e, "encode_failed")
             if task.strict:
@@ -189,7 +195,7 @@ def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict]]:
             rejects.append({"id": s.item.id, "key": s.key, "path": str(s.item.audio), "reason": reason,
                             "detail": detail})
             continue
-        encoded.append((stored.duration_s, s.key, s, stored, data))
+        encoded.append((stored.duration_s, s.key, s, stored, data, meta))
     encoded.sort(key=lambda e: (e[0], e[1]))
     return encoded, rejects
 
@@ -211,8 +217,8 @@ def _write_tar(task: ShardTask, name: str, encoded: list[tuple]) -> tuple[list[d
     try:
         with os.fdopen(fd, "wb") as f:
             w = ShardWriter(f)
-            for duration_s, key, s, stored, data in encoded:
-                o = w.add(key, stored.codec, data, sample_json(s, stored))
+            for duration_s, key, s, stored, data, meta in encoded:
+                o = w.add(key, stored.codec, data, meta)
                 rows.append({
                     "key": key, "shard": task.shard, "offset": o.offset, "size": o.size,
                     "audio_offset": o.audio_offset, "audio_size": o.audio_size, "json_offset": o.json_offset,
