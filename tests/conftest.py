@@ -88,3 +88,11 @@ def dataset_sha256s(out: Path) -> dict[str, str]:
             data = json.dumps(m, sort_keys=True).encode()
         got[p.name] = hashlib.sha256(data).hexdigest()
     return got
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the loopback S3 server is an `s3` test whether or not its module says so, so the fast tier
+    (`scripts/test fast` = `-m "not slow and not s3"`) really starts no SeaweedFS."""
+    for item in items:
+        if {"s3", "s3_bucket"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.s3)

@@ -9,6 +9,7 @@ test runs the checker on a copy of the tree with a forbidden import added, so a 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 from pathlib import Path
 
@@ -136,3 +137,13 @@ def test_the_package_follows_the_rule():
 def test_every_room_is_a_package_with_a_map(room):
     init = PKG / room / "__init__.py"
     assert init.is_file() and len(ast.get_docstring(ast.parse(init.read_text())) or "") > 80
+
+
+@pytest.mark.parametrize("room", sorted(set(ALLOWED) | {"cli"}))
+def test_every_module_is_in_its_room_map(room):
+    """A room's __init__ docstring lists its modules (`name.py  what it does`): a module missing from the map is
+    one a reader of the room never learns about."""
+    doc = ast.get_docstring(ast.parse((PKG / room / "__init__.py").read_text())) or ""
+    listed = set(re.findall(r"^\s*([\w_]+\.py)\s", doc, flags=re.M))
+    modules = {p.name for p in (PKG / room).glob("*.py") if p.name != "__init__.py"}
+    assert not modules - listed, f"shardtrain/{room}/__init__.py does not map {sorted(modules - listed)}"

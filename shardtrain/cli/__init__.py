@@ -8,6 +8,10 @@
     bench.py   bench (the loader timed per stage)
     train.py   train (one process or torchrun), augment-demo
     infer.py   transcribe, evaluate, export
+    __main__.py `python -m shardtrain`
+    ledger.py  ledger
+    plan.py    plan
+    tune.py    tune
 
 Each subcommand has an `_add_<name>(sub)` that declares its flags (all with help=) and a `_cmd_<name>(args) -> int`
 that builds the config, calls the library and prints the result (data-derived text through

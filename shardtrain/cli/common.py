@@ -123,7 +123,7 @@ def exit_code(e: BaseException) -> int | None:
     (a bug). One table for every command: what the user must fix (input, flags, credentials) is 2, what went
     wrong while running (storage, timeouts) is 1."""
     from shardtrain.format.validate import DatasetError
-    from shardtrain.load.reader import StreamError
+    from shardtrain.load.errors import StreamError
 
     names = {c.__name__ for c in type(e).__mro__}
     if "CredentialsError" in names:  # storage's: missing or refused keys are configuration, never transient
@@ -148,7 +148,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     """Errors a run reports in one line with their fix (not a traceback): unreadable or refused storage, a
     broken dataset, too much bad data. Programming errors keep their tracebacks."""
     from shardtrain.format.manifest import DatasetError
-    from shardtrain.load.reader import StreamError
+    from shardtrain.load.errors import StreamError
 
     return (StreamError, DatasetError, OSError)
 

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class AudioError(Exception):
     """Audio that cannot be packed. `reason` is a snake_case code: missing_file, empty_audio, unreadable_audio,
-    truncated_audio, segment_out_of_range, unsupported_channels, unreliable_mp3_length."""
+    truncated_audio, segment_out_of_range, unsupported_channels, unreliable_mp3_length, non_finite_audio,
+    clipped_audio."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -152,9 +153,15 @@ def decode(data: bytes, dtype: str = "float32") -> tuple[np.ndarray, int]:
     if not data:
         raise AudioError("empty_audio", "0 bytes")
     try:
-        x, rate = sf.read(io.BytesIO(data), dtype=dtype, always_2d=False)
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            floats = f.subtype in FLOAT_SUBTYPES  # libsndfile's float -> int read does not scale (float_to_int16)
+            x = f.read(dtype="float32" if floats else dtype, always_2d=False)
+            rate = f.samplerate
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", str(e)) from e
+    if floats:
+        _clip_float(x, float_peak(x, "float audio"))
+        x = x.astype(dtype, copy=False) if np.dtype(dtype).kind == "f" else float_to_int16(x)
     return x, int(rate)
 
 

@@ -12,14 +12,13 @@ holds. Why windows: a model's memory grows with the input (attention is quadrati
 one window is decoded and run window by window (transcribe.py), holding one window of samples at a time: memory
 is bounded by the window, whatever the file's length. Audio references are what pack's sources produce: a local
 path, an fsspec URL, or `<file>#bytes=START-END` (audio inside an Arrow file or a Kaldi ark), read with one ranged
-read bounded by MAX_RANGE_BYTES. Only regular files are opened (a FIFO would hang the run). Errors are AudioError
+read bounded by format.audioref.MAX_RANGE_BYTES. Only regular files are opened (a FIFO would hang the run). Errors are AudioError
 with a snake_case reason; the caller records them per utterance.
 """
 from __future__ import annotations
 
 import io
 import os
-import re
 import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,12 +29,10 @@ import soundfile as sf
 
 from shardtrain import storage
 from shardtrain.format.audio import SF_ERRORS, AudioError
+from shardtrain.format.audioref import local_path, read_byte_range
 
 BLOCK_FRAMES = 1 << 16
 """Frames decoded per soundfile read (~4 s at 16 kHz): the unit of allocation while reading."""
-MAX_RANGE_BYTES = 1 << 30
-"""Largest `#bytes=` range read into memory (1 GiB); a larger one is refused as `range_too_large`."""
-_BYTE_RANGE = re.compile(r"^(?P<url>.+)#bytes=(?P<start>\d+)-(?P<end>\d+)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,36 +59,17 @@ class Probe:
         return self.frames / self.rate_hz
 
 
-def _local(ref: str) -> str | None:
-    if ref.startswith("file://"):
-        return ref[len("file://"):]
-    return None if "://" in ref else ref
-
-
 @contextmanager
 def open_sound(ref: str, storage_options: dict | None = None) -> Iterator[sf.SoundFile]:
     """A soundfile reader on `ref` (header parsed, nothing decoded). Raises AudioError."""
-    m = _BYTE_RANGE.match(ref)
     try:
-        if m is not None:
-            start, end = int(m["start"]), int(m["end"])
-            if end - start > MAX_RANGE_BYTES:
-                raise AudioError("range_too_large", f"{ref}: {end - start} bytes > {MAX_RANGE_BYTES}")
-            local = _local(m["url"])
-            if local is not None:
-                _check_regular(local)
-                with open(local, "rb") as f:
-                    f.seek(start)
-                    data = f.read(end - start)
-            else:
-                data = storage.read_range(m["url"], start, end, storage_options)
-            if len(data) != end - start:
-                raise AudioError("truncated_audio", f"{ref}: read {len(data)} of {end - start} bytes")
+        data = read_byte_range(ref, storage_options)
+        if data is not None:
             src: object = io.BytesIO(data)
             with sf.SoundFile(src) as snd:
                 yield snd
             return
-        local = _local(ref)
+        local = local_path(ref)
         if local is not None:
             _check_regular(local)
             with sf.SoundFile(local) as snd:

@@ -12,6 +12,11 @@
     blockplan.py the epoch plan at block granularity for 100M-row corpora (stream.planner=blocks; auto from 4M rows)
     mapped.py   the index as a node-shared memory map (built once per node) for the block planner
     bench.py    the loader timed per stage (`shardtrain bench`)
+    errors.py   StreamError, importable without torch (the CLI classifies errors with it)
+    buffers.py  recycled memory for decoded batches, returned when the trainer drops a batch
+    mapfiles.py the files of a memory-mapped index copy, written plainly and checked when opened
+    padding.py  padding-aware bucket edges and deals shared by every planner that buckets
+    preflight.py a run seen before launch from metadata only (`shardtrain plan`)
 
 Nothing here is imported by `shardtrain/__init__` eagerly, so `shardtrain pack` never loads torch.
 """

@@ -35,6 +35,10 @@ class Batch:
     on; free: the plan's own row ids)."""
     sources: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
     """int16 [B]: each utterance's dataset, its position in the mixture's list (0 for a single dataset)."""
+    planned: int = -1
+    """Utterances the epoch plan put in this batch (-1: not known). 0 means empty by plan: a bucket between two
+    budget-table edges with fewer rows than ranks leaves some ranks nothing to read. A batch with planned > 0
+    and no utterance lost all of them to bad data (counted in the loader's skips)."""
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -87,6 +87,8 @@ class _Loaded:
     origins: list[tuple[np.ndarray, np.ndarray]]
     steps: int
     rows: int
+    planned: list[int]
+    """Utterances the plan put in each batch (Batch.planned)."""
 
 
 def _check_epoch(view: EpochView, epoch: int, chain: tuple) -> EpochView:
@@ -136,7 +138,7 @@ def _load(reader: ChunkReader, item: _Item, order: int) -> _Loaded:
     cb = rd.load(item.rc.chunk, item.epoch, item.first_step, item.skip, order)
     origins = [item.rc.origin(b[5]) for b in cb.batches]
     cb.batches = [b[:5] for b in cb.batches]
-    return _Loaded(cb, origins, item.steps, item.rows)
+    return _Loaded(cb, origins, item.steps, item.rows, [len(b) for b in item.rc.chunk.batches[item.skip:]])
 
 
 class ChunkStream(torch.utils.data.IterableDataset):
@@ -340,7 +342,7 @@ class Loader:
                 rows, sources = loaded.origins[i]
                 batch = Batch(waves=waves, lengths=torch.from_numpy(lengths), keys=keys, texts=texts,
                               durations_s=torch.from_numpy(durs), sample_rate_hz=self.sample_rate_hz,
-                              epoch=item.epoch, step=step, rows=rows, sources=sources)
+                              epoch=item.epoch, step=step, rows=rows, sources=sources, planned=loaded.planned[i])
                 self.counters["samples"] += len(keys)
                 self.counters["audio_seconds"] += float(durs.sum())
                 self.counters["batches"] += 1

@@ -445,6 +445,7 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     shares = _chunk_shares(costs[bucket], nbytes, world_size, cfg)
     n = len(shares) if shares is not None else \
         _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
+    n = max(n, world_size)  # a bucket with fewer rows than ranks still gives every rank a chunk (some empty)
     n_runs = _run_count(bucket, nbytes, costs, n, cfg)
     if n_runs > n or (shares is not None and n > 1):  # runs in random order, cut into n chunks of their shares
         seq, run_of = _shuffled_runs(bucket, n_runs, rng)
@@ -455,12 +456,25 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     else:  # one run per chunk (ascending: the wrap-around piece's two byte ranges in order)
         runs = _cut_runs(bucket, costs[bucket], n, rng)
         pieces = [(np.sort(r), np.zeros(len(r), np.int64)) for r in runs]
-    # equal-audio cuts can leave a piece empty when a few long rows dominate; rebalance by moving single rows
-    while any(len(p) == 0 for p, _ in pieces):
-        empty = next(i for i, (p, _) in enumerate(pieces) if len(p) == 0)
-        donor = max(range(n), key=lambda i: len(pieces[i][0]))
-        (p, r) = pieces[donor]
-        pieces[empty], pieces[donor] = (p[-1:], r[-1:]), (p[:-1], r[:-1])
+    return _fill_empty(pieces)
+
+
+def _fill_empty(pieces: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Give every empty piece one row of the largest piece, while that one has rows to spare.
+
+    Equal-audio cuts leave a piece empty when a few long rows dominate. Each move empties nothing (the donor keeps
+    >= 1 row) and fills one piece, so this ends after at most len(pieces) moves; a bucket with fewer rows than
+    pieces (one alone between two budget-table edges, with fewer rows than ranks) keeps its extra pieces empty:
+    those ranks get batches that are empty by plan (Batch.planned == 0), never a loop that moves a row back and
+    forth."""
+    pieces = list(pieces)
+    for _ in range(len(pieces)):
+        empty = [i for i, (p, _) in enumerate(pieces) if len(p) == 0]
+        donor = max(range(len(pieces)), key=lambda i: len(pieces[i][0]))
+        if not empty or len(pieces[donor][0]) < 2:
+            break
+        p, r = pieces[donor]
+        pieces[empty[0]], pieces[donor] = (p[-1:], r[-1:]), (p[:-1], r[:-1])
     return pieces
 
 

@@ -31,6 +31,7 @@ from shardtrain.format.manifest import Dataset
 from shardtrain.format.tar import BLOCK, KEY_RE, parse_header
 from shardtrain.format.validate import MAX_JSON_BYTES, show
 from shardtrain.load.buffers import BatchBuffers
+from shardtrain.load.errors import StreamError
 from shardtrain.load.plan import Chunk, PlanIndex
 from shardtrain.load.pool import OldestFirstPool
 from shardtrain.storage.cache import ShardCache
@@ -50,11 +51,6 @@ MAX_REASON_CHARS = 300
 """Skip reasons kept in stats/state are cut to this; their shard-derived parts are escaped (validate.show)."""
 RUN_GAP_BYTES = 1 << 20
 """Rows closer than this in one shard are read as one range (reading through the gap beats another request)."""
-
-
-class StreamError(RuntimeError):
-    """Raised on a shard that cannot be read (403, 404, storage down past the retry budget), on too many skipped
-    samples, in strict mode on the first bad sample, and on invalid resume state. One line: URL and what to do."""
 
 
 @dataclass(slots=True)

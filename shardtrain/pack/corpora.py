@@ -33,7 +33,7 @@ from typing import Any
 
 import fsspec
 
-from shardtrain.pack.probe import byte_range_ref
+from shardtrain.format.audioref import byte_range_ref
 from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
 from shardtrain.pack.sources import Item, Reject, _is_local_fs, _open_text, _opt_str, _ref, table_rows
 

@@ -356,8 +356,11 @@ def pack(cfg: PackConfig) -> PackResult:
     second pack into the same OUTPUT is refused with the holder's host, pid and start time instead of racing
     the first past the different-dataset guard and interleaving shards.
     """
+    from shardtrain.pack.sources import resolve_format
     from shardtrain.storage.lock import LockHeld, acquire_lock
 
+    # an input that is not there (or not a corpus) is refused before OUTPUT is created or the pool starts
+    resolve_format(str(cfg.input), cfg.source_format, cfg.storage_options)
     out = str(cfg.output).rstrip("/")
     storage.makedirs(out, cfg.storage_options)
     try:

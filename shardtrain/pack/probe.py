@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import io
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import soundfile as sf
 from shardtrain import storage
+from shardtrain.format.audioref import local_path, read_byte_range
 from shardtrain.format.audio import SF_ERRORS, AudioError, AudioInfo, codec_of
 from shardtrain.pack.safeio import MAX_AUDIO_BYTES, InputFileError, check_regular, read_local_bounded
 
@@ -46,52 +46,15 @@ _PROBE_BLOCK_BYTES = 1 << 18  # fsspec read-ahead for header probes: one small r
 
 
 # ---- opening --------------------------------------------------------------------------------------------------
-_BYTE_RANGE = re.compile(r"^(?P<url>.+)#bytes=(?P<start>\d+)-(?P<end>\d+)$")
-"""`<path or URL>#bytes=START-END`: audio stored as bytes [START, END) of a larger file (an Arrow file of a Hugging
-Face dataset, a Kaldi ark), read with one ranged read; see pack.corpora."""
-
-
-def byte_range_ref(url: str, start: int, end: int) -> str:
-    return f"{url}#bytes={start}-{end}"
-
-
-def _read_byte_range(path: str, storage_options: dict | None) -> bytes | None:
-    m = _BYTE_RANGE.match(path)
-    if m is None:
-        return None
-    url, start, end = m["url"], int(m["start"]), int(m["end"])
-    local = _local_path(url)
-    try:
-        if local is not None:
-            check_regular(local)  # a FIFO would block open() below
-            with open(local, "rb") as f:
-                f.seek(start)
-                data = f.read(end - start)
-        else:
-            data = storage.read_range(url, start, end, storage_options)
-    except FileNotFoundError as e:
-        raise AudioError("missing_file", f"{url} does not exist") from e
-    if len(data) != end - start or not data:
-        raise AudioError("truncated_audio" if data else "empty_audio",
-                         f"{path}: read {len(data)} of {end - start} bytes")
-    return data
-
-
-def _local_path(path: str) -> str | None:
-    if path.startswith("file://"):
-        return path[len("file://"):]
-    return None if "://" in path else path
-
-
 @contextmanager
 def open_audio(path: str, storage_options: dict | None, block_size: int | None = None) -> Iterator[Any]:
     """A local path (soundfile opens it itself, fastest), an open fsspec file object, or the bytes of a
     `#bytes=START-END` reference in a BytesIO."""
-    ranged = _read_byte_range(path, storage_options)
+    ranged = read_byte_range(path, storage_options)
     if ranged is not None:
         yield io.BytesIO(ranged)
         return
-    local = _local_path(path)
+    local = local_path(path)
     if local is not None:
         try:
             size = check_regular(local)  # a FIFO or a device is refused before anything opens it

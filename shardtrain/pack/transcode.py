@@ -137,7 +137,7 @@ def _clip_policy(clipped: int, samples: int, peak: float, target: AudioTarget, w
                                           f"(peak {peak:.4g}; more than max_clipped_share {target.max_clipped_share:g}):"
                                           " the floats are mis-scaled (integer values stored as float?); rescale to "
                                           "[-1, 1]")
-    log.warning("%s: %d samples over full scale (peak %.4g) clipped", where, clipped, peak)
+    log.warning("%s: %d float samples past full scale (peak %.4g) clipped at full scale", where, clipped, peak)
 
 
 def _float_level(x: np.ndarray, target: AudioTarget, where: str) -> None:

@@ -9,6 +9,7 @@
     cache.py      whole-shard LRU cache on local disk for remote datasets
     lock.py       an exclusive lock object (OUTPUT/_pack.lock) that works on local paths and S3
     redact.py     secret-looking storage options and credentials in log lines and reprs, replaced before shown
+    private.py    per-user private folders (0700, owner checked) for caches, mirrors, locks and temp files
 
 Imports nothing from the rest of shardtrain. `from shardtrain import storage; storage.read_range(...)` is the API.
 """

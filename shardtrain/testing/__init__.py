@@ -4,4 +4,5 @@
     speech.py    real speech from espeak-ng + sox with fortune sentences
     s3server.py  LocalS3: SeaweedFS on loopback (and `python -m shardtrain.testing.s3server` for scripts)
     proxy.py     DropProxy: a TCP proxy that cuts connections, to inject network faults
+    indexes.py   metadata-only datasets of any size (manifest + index, no shards) for planning tests
 """

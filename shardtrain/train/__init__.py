@@ -16,4 +16,13 @@
     showcase.py    `shardtrain augment-demo`: augmented examples as WAV + spectrogram PNG
     metrics.py     metrics.jsonl + TensorBoard
     overrides.py   `--set a.b=v` and JSON round trips of the frozen config dataclasses
+    budget.py      per-bucket batch budgets: budget.json (`shardtrain tune`) and the closed loop's moves
+    closedloop.py  the trainer's side of per-bucket budgets: peaks per bucket, a new table between epochs
+    ledger.py      what a run consumed: the index rows each rank trained on, written with every checkpoint
+    ledger_report.py accounting of a ledger: per epoch, rows planned against rows trained (`shardtrain ledger`)
+    memory.py      peak memory of a training step (CUDA and CPU) and what counts as out of memory
+    normalize.py   transcript normalisation, applied the same way wherever text meets the model
+    runfiles.py    the run folder's files (config.json, vocab.json, metrics.jsonl) and an s3:// --out's mirror
+    tune.py        `shardtrain tune`: the largest batch per duration bucket that fits the memory target
+    update.py      one optimiser step over a step's micro-batches, surviving an out-of-memory error inside it
 """

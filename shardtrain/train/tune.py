@@ -59,6 +59,16 @@ def plan_buckets(duration_s: np.ndarray, cfg: RunConfig, num_buckets: int | None
     return out
 
 
+DEFAULT_BUDGET_MULTIPLE = 2.0
+"""The largest budget a bucket may get, as a multiple of the preset's max_batch_seconds (`--max-batch-seconds`
+overrides). Bounds the search: a preset is sized for its device, so a table far beyond it is more likely a
+measurement artefact than a win, and every doubling costs a probe step (on 2 CPU cores, seconds each)."""
+
+
+class NothingFits(RuntimeError):
+    """Even one utterance of a bucket's longest length exceeds the memory target: no table can be written."""
+
+
 class Prober:
     """One model, optimiser and augmentation chain on the device; `probe(n, seconds)` runs one real step."""
 
@@ -165,16 +175,21 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
         if b.max_batch_size is not None:
             n_max = min(n_max, b.max_batch_size)
         seen: dict[int, float] = {}
+        where = f"bucket {len(rows) + 1}/{len(buckets)} (<= {bk.longest_s:.2f} s, {bk.rows} rows)"
 
         def fits(n: int) -> bool:
-            seen[n] = prober.probe(n, bk.longest_s)[0]
+            seen[n], took = prober.probe(n, bk.longest_s)
+            log.info("%s: %d utterances -> peak %.1f MB of %.0f MB, %s (%.2f s)", where, n, seen[n] / 2**20,
+                     target_bytes / 2**20, "fits" if seen[n] <= target_bytes else "too big", took)
             return seen[n] <= target_bytes
 
         n, probes = largest_fit(fits, n_max, start=int(prev[0] * prev[1] / bk.longest_s) if prev else 1)
         prev = (max(n, 1), bk.longest_s)
         if n == 0:
-            log.warning("bucket <= %.2f s: one utterance of %.2f s does not fit %.0f MB; budgeting one anyway "
-                        "(OOM splitting cannot help a single utterance)", bk.longest_s, bk.longest_s, target_bytes / 2**20)
+            raise NothingFits(
+                f"tune: one utterance of {bk.longest_s:.2f} s needs {seen.get(1, math.inf) / 2**20:.0f} MB, over the "
+                f"{target_bytes / 2**20:.0f} MB target: raise --memory-limit-mb (or --memory-fraction), or pack/load "
+                f"without utterances that long (--set stream.bucket.max_batch_seconds=...); no budget.json written")
         step_s = prober.probe(max(n, 1), bk.longest_s)[1]  # warm now: the step time at the chosen size
         # summed budgets: the worst batch of the bucket under b is one utterance of L and the rest as short as the
         # bucket allows, all padded to L: (1 + (b - L) / shortest) x L <= n x L  <=>  b <= L + (n - 1) x shortest

@@ -107,7 +107,7 @@ def _float_wav(root: Path, key: str, x: np.ndarray, subtype: str = "FLOAT") -> P
     return _write(root, key, x.astype(np.float64), "WAV", subtype, "wav")
 
 
-def test_non_finite_and_mis_scaled_float_audio_are_rejected_with_their_key(tmp_path):
+def test_non_finite_and_mis_scaled_float_audio_are_rejected_with_their_key(tmp_path, caplog):
     src = tmp_path / "src"
     src.mkdir()
     x = _signal(1.0)
@@ -123,7 +123,10 @@ def test_non_finite_and_mis_scaled_float_audio_are_rejected_with_their_key(tmp_p
     _float_wav(src, "good", x)
     for keep in (False, True):  # transcoded, and kept byte for byte (even without --decode-check)
         out = tmp_path / f"ds{keep}"
-        r = _pack(src, out, keep_original=keep, decode_check=not keep)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardtrain.pack.transcode"):
+            r = _pack(src, out, keep_original=keep, decode_check=not keep)
+        assert any("past full scale" in m and "over.wav" in m for m in caplog.messages), caplog.messages
         rej = _rejects(out)
         assert rej["nan32"]["reason"] == rej["inf64"]["reason"] == "non_finite_audio"
         assert rej["nan32"]["key"] == "nan32" and "NaN or infinite" in rej["nan32"]["detail"]

@@ -1,0 +1,33 @@
+"""Commands that do not train import no torch (~1.5 s and ~700 MB), so a mistyped path answers at once and leaves
+nothing behind. Each command runs in a fresh interpreter, as a user's shell would start it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import sys
+from shardtrain.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print("TORCH" if "torch" in sys.modules else "NO-TORCH", code)
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["pack", "{missing}", "{out}"],
+    ["inspect", "{missing}"],
+])
+def test_commands_that_do_not_train_import_no_torch_on_a_bad_path(tmp_path, argv):
+    missing, out = tmp_path / "no-such-corpus", tmp_path / "out"
+    args = [a.format(missing=missing, out=out) for a in argv]
+    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120)
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("NO-TORCH"), (argv[0], r.stdout, r.stderr[-1500:])
+    assert last.split()[1] in ("1", "2"), r.stdout  # refused, not a success
+    assert "no-such-corpus" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists(), "a refused pack created its OUTPUT"
