@@ -58,7 +58,7 @@ def _add_pack(sub) -> None:
     p.add_argument("--max-duration-s", "--max-duration", dest="max_duration", type=float, default=None,
                    help="reject utterances longer than this, reason too_long (seconds; default: no limit)")
     p.add_argument("--max-chars-per-s", dest="max_chars_per_s", type=float, default=DEFAULT_MAX_CHARS_PER_S,
-                   help="reject transcripts with more characters than this x duration + 10, reason "
+                   help="reject transcripts with more characters than this x duration + 20, reason "
                         "impossible_target: no CTC model can align them (read speech is ~15 a second; 0 turns the "
                         f"check off; default: {DEFAULT_MAX_CHARS_PER_S:g})")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),

@@ -10,7 +10,7 @@ Each failure is one reject row with its reason (rejects.jsonl), never a dataset 
 CTC needs at least one output frame per label (two for a repeated label), and pack does not know the model's frame
 rate, so the bound is on characters per second of audio, set far above any real speech: read speech runs ~15
 characters a second (LibriSpeech, spaces included), fast conversational speech and auctioneers ~25-30. The
-default 50 characters a second + 10 characters rejects only transcripts that cannot belong to their audio (a
+default 50 characters a second + 20 characters rejects only transcripts that cannot belong to their audio (a
 0.3 s clip with a 200-character transcript: 667 a second), a mis-segmented or mis-paired item; a model whose frame
 rate is below what real speech needs is the trainer's check (it knows the frame rate). Costs a `len` per item.
 """
@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_CHARS_PER_S = 50.0
 """Default of PackConfig.max_chars_per_s (`--max-chars-per-s`): see the module docstring."""
-TARGET_SLACK_CHARS = 10
-"""Characters allowed on top of rate x duration, so very short clips ("okay", "thank you") never hit the bound."""
+TARGET_SLACK_CHARS = 20
+"""Characters allowed on top of rate x duration: clips are often cut tight around a short phrase ("thank you very
+much"), so below ~0.5 s the per-second rate alone would judge the cut, not the transcript."""
 
 
 class ItemError(ValueError):

@@ -86,7 +86,7 @@ class PackConfig:
     max_duration_s: float | None = None
     """Reject utterances longer than this, reason `too_long` (`--max-duration-s`)."""
     max_chars_per_s: float | None = DEFAULT_MAX_CHARS_PER_S
-    """Reject transcripts with more characters than this x duration + 10, reason `impossible_target`
+    """Reject transcripts with more characters than this x duration + 20, reason `impossible_target`
     (`--max-chars-per-s`; 0 or None turns it off): a target no CTC model can align. 50 is ~3x read speech
     (~15 a second) and far above fast speech (~25-30); pack/itemcheck.py says why."""
     split: str | None = None
