@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from shardtrain import cli
 from shardtrain.format import indexread, limits
 from shardtrain.format.manifest import open_dataset
 from shardtrain.load.config import StreamConfig
@@ -193,6 +194,11 @@ def test_ctc_impossible_target_is_rejected_at_pack_time_and_the_bound_can_be_tur
     assert rej["short_long_text"]["reason"] == "impossible_target"
     assert "200 characters in 0.30 s" in rej["short_long_text"]["detail"]
     assert _pack(src, tmp_path / "off", max_chars_per_s=0).samples == 3
+    assert cli.main(["pack", str(src), str(tmp_path / "cli"), "--max-chars-per-s", "0", "--no-progress"]) == 0
+    assert len(json.loads((tmp_path / "cli" / "manifest.json").read_text())["shards"]) >= 1
+    assert (tmp_path / "cli" / "rejects.jsonl").read_text() == ""
+    with pytest.raises(ValueError, match="--max-chars-per-s must be >= 0"):
+        PackConfig(input=str(src), output=str(tmp_path / "x"), max_chars_per_s=-1)
 
 
 def test_pack_refuses_per_item_what_the_reader_refuses_and_the_dataset_stays_readable(tmp_path):
@@ -212,3 +218,22 @@ def test_pack_refuses_per_item_what_the_reader_refuses_and_the_dataset_stays_rea
     assert verify(ds, progress=False) == []
     waves, ld = _load(out, "float32")
     assert set(waves) == {"long_ok", "short"} and ld.stats()["skipped"] == 0
+
+
+def test_fields_a_reader_refuses_are_rejected_before_and_after_encoding(tmp_path):
+    """A speaker name over its index bound is refused from metadata (scan); an extra field that makes `<key>.json`
+    larger than a reader reads is refused after encoding (the shard task): both one reject, the rest readable."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for key in ("ok", "spk", "meta"):
+        _write(src, key, _signal(1.0), "FLAC", "PCM_16", "flac")
+    rows = [{"path": "ok.flac", "text": "fine"}, {"path": "spk.flac", "text": "fine", "speaker": "s" * 2000},
+            {"path": "meta.flac", "text": "fine", "notes": "n" * (limits.MAX_JSON_BYTES + 10)}]
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ds"
+    r = _pack(src / "m.jsonl", out)
+    rej = _rejects(out)
+    assert r.samples == 1 and {k: v["reason"] for k, v in rej.items()} == {"spk": "field_too_long",
+                                                                           "meta": "field_too_long"}
+    assert "speaker of 2000 bytes" in rej["spk"]["detail"] and "<key>.json of" in rej["meta"]["detail"]
+    assert verify(open_dataset(str(out)), progress=False) == []
