@@ -182,6 +182,8 @@ class PackResult:
     """index.parquet from the done-markers, rejects.jsonl, manifest.json, removing _work/."""
     items: int = 0
     """Items read from INPUT (samples + rejects)."""
+    clipped: int = 0
+    """Accepted float sources with samples past full scale, clipped (each also a warning naming the file)."""
     already_complete: bool = False
 
     @property
@@ -429,6 +431,10 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
 
     manifest, all_rejects = _commit(cfg, out, fp, [done[i] for i in range(plan.shards)], rows, rejects.rows)
     commit_s = time.perf_counter() - t1 - write_s
+    clipped = [c for i in range(plan.shards) for c in done[i].get("clipped", ())]
+    if clipped:
+        log.warning("%d float files had samples past full scale, clipped (first: %s, %d samples)", len(clipped),
+                    clipped[0]["path"], clipped[0]["samples"])
     by_reason: dict[str, int] = {}
     for r in all_rejects:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
@@ -437,7 +443,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
                       rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
                       shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
                       items=t["samples"] + len(all_rejects), scan_s=scan_s, plan_s=probe_s - scan_s,
-                      commit_s=commit_s)
+                      commit_s=commit_s, clipped=len(clipped))
 
 
 def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _IndexRows,

@@ -127,10 +127,11 @@ def _verify_bytes(data: bytes, info: AudioInfo, where: str) -> None:
                                             f"{decoded}")
 
 
-def _clip_policy(clipped: int, samples: int, peak: float, target: AudioTarget, where: str) -> None:
-    """Reject (`clipped_audio`) a float source with too many samples over full scale; warn for a few."""
+def _clip_policy(clipped: int, samples: int, peak: float, target: AudioTarget, where: str) -> int:
+    """Reject (`clipped_audio`) a float source with too many samples over full scale; warn for a few. Returns the
+    count clipped."""
     if not clipped:
-        return
+        return 0
     share = clipped / max(samples, 1)
     if share > target.max_clipped_share:
         raise AudioError("clipped_audio", f"{where}: {clipped} of {samples} samples ({share:.1%}) exceed full scale "
@@ -138,23 +139,27 @@ def _clip_policy(clipped: int, samples: int, peak: float, target: AudioTarget, w
                                           " the floats are mis-scaled (integer values stored as float?); rescale to "
                                           "[-1, 1]")
     log.warning("%s: %d float samples past full scale (peak %.4g) clipped at full scale", where, clipped, peak)
+    return clipped
 
 
-def _float_level(x: np.ndarray, target: AudioTarget, where: str) -> None:
-    """A float source's samples, in place: NaN/Inf rejected, overs counted (policy) and clipped to [-1, 1]."""
+def _float_level(x: np.ndarray, target: AudioTarget, where: str) -> int:
+    """A float source's samples, in place: NaN/Inf rejected, overs counted (policy) and clipped to [-1, 1].
+    Returns the count clipped."""
     peak = float_peak(x, where)
-    if peak > 1.0:
-        _clip_policy(int(np.count_nonzero(np.abs(x) > 1.0)), x.size, peak, target, where)
-        np.clip(x, -1.0, 1.0, out=x)
+    if peak <= 1.0:
+        return 0
+    clipped = _clip_policy(int(np.count_nonzero(np.abs(x) > 1.0)), x.size, peak, target, where)
+    np.clip(x, -1.0, 1.0, out=x)
+    return clipped
 
 
-def _check_kept_float(scan: FloatScan, info: AudioInfo, target: AudioTarget, where: str) -> None:
+def _check_kept_float(scan: FloatScan, info: AudioInfo, target: AudioTarget, where: str) -> int:
     """A float file kept byte for byte: its full read (float_scan) must reach the header's length, and its overs
-    pass the clip policy (the loader clips them at full scale)."""
+    pass the clip policy (the loader clips them at full scale). Returns the count the loader will clip."""
     if scan.frames != info.num_samples:
         raise AudioError("truncated_audio", f"{where}: header promises {info.num_samples} samples, decode yields "
                                             f"{scan.frames}")
-    _clip_policy(scan.clipped, scan.samples, scan.peak, target, where)
+    return _clip_policy(scan.clipped, scan.samples, scan.peak, target, where)
 
 
 def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, where: str) -> tuple[np.ndarray, bool]:
@@ -178,8 +183,8 @@ def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, wher
     return x, is_float
 
 
-def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_options: dict | None = None
-                     ) -> tuple[bytes, AudioInfo]:
+def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_options: dict | None = None, *,
+                     notes: dict | None = None) -> tuple[bytes, AudioInfo]:
     """Bytes to store for `item` and the AudioInfo of the stored audio (`info` = probe of `item.audio`).
 
     Keeps the file's bytes unchanged when the item is the whole file and (codec, rate, channels) match the target,
@@ -187,7 +192,9 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
     (mean over channels) or repeats a mono channel, resamples with torchaudio's windowed-sinc resampler
     (`functional.resample`, default Hann window, 6 zero crossings, rolloff 0.99) and encodes 16-bit to the target
     codec. Without resampling or downmixing samples go through as int16, so a 16-bit source is copied exactly; a
-    float source goes through float32 at its true level (module docstring: NaN/Inf and clipping).
+    float source goes through float32 at its true level (module docstring: NaN/Inf and clipping). `notes`, when
+    given, receives {"clipped": samples clipped at full scale} for a float source with overs (the shard task
+    counts them).
     """
     start, count = _segment_frames(item, info)
     whole = start == 0 and count == info.num_samples
@@ -197,7 +204,7 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
         data = read_audio_bytes(item.audio, storage_options)
         scan = _kept_float_scan(data, info, item.audio)
         if scan is not None:  # float: always read whole (NaN/Inf, overs), which is also the decode check
-            _check_kept_float(scan, info, target, item.audio)
+            _note_clipped(notes, _check_kept_float(scan, info, target, item.audio))
         elif target.verify_decode:
             _verify_bytes(data, info, item.audio)
         else:  # still never store a header that lies about its length (the loader would find out mid-epoch)
@@ -217,7 +224,7 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
         x, is_float = _read_segment(src, start, count, "float32" if as_float else "int16", item.audio)
     as_float = as_float or is_float
     if is_float:
-        _float_level(x, target, item.audio)
+        _note_clipped(notes, _float_level(x, target, item.audio))
     if pick is not None:
         x = np.ascontiguousarray(x[:, pick: pick + 1])
     elif info.channels > 1 and target.channels == 1:
@@ -260,3 +267,8 @@ def _kept_float_scan(data: bytes, info: AudioInfo, where: str) -> FloatScan | No
         return float_scan(data)
     except AudioError as e:
         raise AudioError(e.reason, f"{where}: {e.detail}") from e
+
+
+def _note_clipped(notes: dict | None, clipped: int) -> None:
+    if notes is not None and clipped:
+        notes["clipped"] = clipped

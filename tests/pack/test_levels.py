@@ -132,7 +132,7 @@ def test_non_finite_and_mis_scaled_float_audio_are_rejected_with_their_key(tmp_p
         assert rej["nan32"]["reason"] == rej["inf64"]["reason"] == "non_finite_audio"
         assert rej["nan32"]["key"] == "nan32" and "NaN or infinite" in rej["nan32"]["detail"]
         assert rej["intscaled"]["reason"] == "clipped_audio" and "rescale" in rej["intscaled"]["detail"]
-        assert r.samples == 2 and set(rej) == {"nan32", "inf64", "intscaled"}
+        assert r.samples == 2 and set(rej) == {"nan32", "inf64", "intscaled"} and r.clipped == 1
         waves, _ = _load(out, "float32")
         assert np.isfinite(waves["over"]).all() and np.abs(waves["over"]).max() <= 1.0  # clipped at full scale
         assert abs(_db(waves["good"]) - _db(x)) < 0.1
