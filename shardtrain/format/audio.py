@@ -330,17 +330,15 @@ class _MemfdDecoder:
         try:
             if info.channels != 1:
                 return -int(info.channels)  # caller falls back to the downmixing path
-            if info.format & _SF_SUBMASK in _SF_FLOAT_CODES:  # NaN/Inf check, full-scale clip, scaled to int16
-                dst = out if out.dtype == np.float32 else np.empty(len(out), np.float32)
-                got = int(_snd.sf_readf_float(handle, _ffi.from_buffer("float[]", dst), len(dst)))
-                return _float_out(dst[:max(got, 0)], out)
-            read = _snd.sf_readf_float if out.dtype == np.float32 else _snd.sf_readf_short
-            got = read(handle, _ffi.from_buffer(_C_TYPES[out.dtype.char], out), len(out))
+            floats = info.format & _SF_SUBMASK in _SF_FLOAT_CODES  # NaN/Inf check, clip, scaled to int16
+            dst = out if out.dtype == np.float32 or not floats else np.empty(len(out), np.float32)
+            read = _snd.sf_readf_float if dst.dtype == np.float32 else _snd.sf_readf_short
+            got = int(read(handle, _ffi.from_buffer(_C_TYPES[dst.dtype.char], dst), len(dst)))
             if got < len(out):  # only a short read can carry an error (one C call less per member otherwise)
                 err = _snd.sf_error(handle)
                 if err:
                     raise AudioError("unreadable_audio", f"LibsndfileError: {_sf_message(err)}")
-            return int(got)
+            return _float_out(dst[:max(got, 0)], out) if floats else got
         finally:
             _snd.sf_close(handle)
 
