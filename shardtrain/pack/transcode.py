@@ -12,7 +12,7 @@ int16 by libsndfile's shifts; float sources (WAV/AIFF/... FLOAT or DOUBLE) are r
 32768 here, because libsndfile's float -> int16 read does not scale (a float WAV became -1/0/+1, ~90 dB down).
 Float sources are the only ones that can hold NaN/Inf (rejected: `non_finite_audio`) or exceed full scale: such
 peaks are clipped, not scaled (scaling would set each file's level by its loudest sample; clipping keeps the level
-of everything under full scale and distorts only the overs), with a warning naming the key; when more than
+of everything under full scale and distorts only the overs), with a warning naming the file; when more than
 `AudioTarget.max_clipped_share` of the samples are over, the file is rejected (`clipped_audio`): it is mis-scaled
 (typically integer values stored as floats, peaks of ~32767.0), and clipping would store a square wave.
 """
@@ -165,8 +165,8 @@ def _check_kept_float(scan: FloatScan, info: AudioInfo, target: AudioTarget, whe
 def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, where: str) -> tuple[np.ndarray, bool]:
     """Decode only [start, start + count) (soundfile seek); a short read means a damaged file and raises. The
     segment's tail is decoded first (tailcheck.seek_tail), so a header that lies about the length costs a seek, not an
-    allocation of `count` samples. Returns (samples, whether the source is float): a float
-    source is always read as float32 (see the module docstring)."""
+    allocation of `count` samples. Returns (samples, whether the source is float): a float source is always read as
+    float32 (see the module docstring)."""
     try:
         with sf.SoundFile(src) as f:
             is_float = f.subtype in FLOAT_SUBTYPES
