@@ -13,7 +13,7 @@ from shardtrain.format.safe import printable, printable_lines
 def _add_pack(sub) -> None:
     import os
 
-    from shardtrain.pack.packer import DEFAULT_MIN_DURATION_S
+    from shardtrain.pack.packer import DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S
 
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
@@ -57,6 +57,10 @@ def _add_pack(sub) -> None:
                         f"all; default: {DEFAULT_MIN_DURATION_S})")
     p.add_argument("--max-duration-s", "--max-duration", dest="max_duration", type=float, default=None,
                    help="reject utterances longer than this, reason too_long (seconds; default: no limit)")
+    p.add_argument("--max-chars-per-s", dest="max_chars_per_s", type=float, default=DEFAULT_MAX_CHARS_PER_S,
+                   help="reject transcripts with more characters than this x duration + 20, reason "
+                        "impossible_target: no CTC model can align them (read speech is ~15 a second; 0 turns the "
+                        f"check off; default: {DEFAULT_MAX_CHARS_PER_S:g})")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
     p.add_argument("--engine", default="local", choices=("local", "ray"),
@@ -86,6 +90,7 @@ def _cmd_pack(args) -> int:
             decode_check=not args.no_decode_check,
             target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
             min_duration_s=args.min_duration or None, max_duration_s=args.max_duration, workers=args.workers,
+            max_chars_per_s=args.max_chars_per_s or None,
             strict=args.strict, overwrite=args.overwrite, progress=not args.no_progress,
             engine=args.engine, ray_address=args.ray_address,
         )
@@ -102,6 +107,8 @@ def _cmd_pack(args) -> int:
     print(f"packed    {r.samples} samples, {r.hours:.3f} h, {r.shards} shards{state}, {r.bytes / 1e6:.1f} MB "
           f"-> {printable(r.output)}")
     print(printable(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else "")))
+    if r.clipped:
+        print(f"clipped   {r.clipped} float files had samples past full scale, clipped at full scale (warnings above)")
     print(f"speed     {r.wall_s:.1f} s wall (scan {r.scan_s:.1f} s, plan {r.plan_s:.1f} s, write {r.write_s:.1f} s, "
           f"commit {r.commit_s:.1f} s): "
           f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")

@@ -8,6 +8,7 @@
     locate.py    why a URL is not a dataset (wrong path, unpacked corpus, pack in progress) and the fixing command
     safe.py      printable(): data-derived text escaped for a terminal (control characters, bidi overrides)
     tar.py       the byte-reproducible ustar writer and header reader (member offsets for the index)
+    limits.py    the format's limits (string bytes, member sizes, rates): one set, imported by pack and the readers
     codecs.py    the codecs a shard may store (flac, wav, opus, mp3): one definition for writer, reader and CLI
     audio.py     the decoders (bytes -> samples; the loader's GIL-free decode_into, float sources at true level)
     audioref.py  `<file>#bytes=START-END` audio references: one parser, one size bound, for pack and infer

@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import soundfile as sf
@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class AudioError(Exception):
     """Audio that cannot be packed. `reason` is a snake_case code: missing_file, empty_audio, unreadable_audio,
-    truncated_audio, segment_out_of_range, unsupported_channels, unreliable_mp3_length, non_finite_audio."""
+    truncated_audio, segment_out_of_range, unsupported_channels, unreliable_mp3_length, non_finite_audio,
+    clipped_audio."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -61,29 +62,91 @@ def codec_of(fmt: str, subtype: str) -> str:
 
 SF_ERRORS = (sf.SoundFileError, RuntimeError, ValueError, TypeError, EOFError)
 
-FLOAT_SUBTYPES = frozenset({"FLOAT", "DOUBLE"})
-"""Sample formats that hold floats, so may hold NaN/Inf or peaks past 1.0. libsndfile reads them as integers by
-rounding without scaling unless told otherwise (every sample of a [-1, 1] signal becomes -1, 0 or +1: ~92 dB
-quieter), so they are always read as float32 here and converted by `float_to_int16`."""
-_SF_SUBMASK, _SF_FLOAT, _SF_DOUBLE = 0x0000FFFF, 0x0006, 0x0007
+
+# ---- levels: float sources ------------------------------------------------------------------------------------
+FLOAT_SUBTYPES = ("FLOAT", "DOUBLE")
+"""soundfile subtypes whose samples are floats at full scale 1.0: the only stored audio that can hold NaN/Inf or
+exceed full scale (integer PCM and FLAC cannot; Opus and MP3 decoders output finite samples)."""
+_SF_FLOAT_CODES = (0x0006, 0x0007)  # SF_FORMAT_FLOAT, SF_FORMAT_DOUBLE (libsndfile's subtype codes)
+_SF_SUBMASK = 0xFFFF
+
+
+def float_peak(x: np.ndarray, where: str = "") -> float:
+    """Peak |sample| of float samples; AudioError("non_finite_audio") when one is NaN or +-Inf.
+
+    Two SIMD reductions (min, max; NaN propagates through both) and no temporary array: ~0.02 ms per 10 s of 16 kHz
+    audio, ~10% of decoding a float WAV and ~2% of decoding the same as FLAC (benchmarks/bench_nonfinite.py). Run
+    only on float sources: integer PCM and FLAC samples cannot be non-finite."""
+    if x.size == 0:
+        return 0.0
+    lo, hi = float(x.min()), float(x.max())
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        bad = int(np.count_nonzero(~np.isfinite(x)))
+        raise AudioError("non_finite_audio", f"{where + ': ' if where else ''}{bad} of {x.size} samples are NaN or "
+                                             "infinite")
+    return max(-lo, hi)
 
 
 def float_to_int16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """float samples at full scale 1.0 -> int16 at full scale 32768, the same scale libsndfile and dr_flac use for
-    16-bit audio (so a float source and its 16-bit copy reach the batch at the same level); peaks past 1.0 clip."""
-    y = np.clip(np.round(np.asarray(x, np.float32) * np.float32(32768.0)), -32768, 32767)
+    """Float samples (full scale 1.0) -> int16 at the scale 16-bit PCM decodes to float by (x 32768), rounded,
+    clipped at full scale. libsndfile's own float -> short read does not scale (every sample of a float WAV became
+    -1, 0 or +1, 90 dB down), or with SFC_SET_SCALE_FLOAT_INT_READ normalises each file to its peak (a level that
+    depends on the file): neither is the source's level."""
+    y = np.multiply(x, 32768.0, dtype=np.float32)
+    np.rint(y, out=y)
+    np.clip(y, -32768.0, 32767.0, out=y)
     if out is None:
         return y.astype(np.int16)
     out[:len(y)] = y
     return out
 
 
-def check_finite(x: np.ndarray, where: str) -> None:
-    """AudioError("non_finite_audio") when a float decode holds NaN or +-Inf: one such sample makes the loss NaN
-    and, stepped on, every weight. ~0.1 ms per 10 s of 16 kHz audio; integer formats never need it."""
-    if x.dtype.kind == "f" and not np.isfinite(x).all():
-        bad = int(np.count_nonzero(~np.isfinite(x)))
-        raise AudioError("non_finite_audio", f"{where}: {bad} of {x.size} samples are NaN or infinite")
+def _clip_float(x: np.ndarray, peak: float) -> None:
+    """Clip float samples to [-1, 1] in place when the peak exceeds full scale: the loader's policy for float
+    sources, so float32 and int16 batches (and any num_workers) hold the same level."""
+    if peak > 1.0:
+        np.clip(x, -1.0, 1.0, out=x)
+
+
+def _float_out(x: np.ndarray, out: np.ndarray) -> int:
+    """Float samples `x` (a prefix of `out` when `out` is float32) -> `out` at their true level: checked for
+    NaN/Inf, clipped at full scale, scaled to int16 when `out` is int16. Returns len(x)."""
+    _clip_float(x, float_peak(x))
+    if out.dtype == np.float32:
+        out[:len(x)] = x
+    else:
+        float_to_int16(x, out)
+    return len(x)
+
+
+class FloatScan(NamedTuple):
+    """A full read of a float source: its length and level (pack's clip policy, verify)."""
+
+    frames: int
+    samples: int
+    """Samples over all channels."""
+    peak: float
+    clipped: int
+    """Samples beyond full scale (|x| > 1), clipped when stored or loaded."""
+
+
+class _FloatTally:
+    """FloatScan accumulated block by block; raises non_finite_audio naming the first bad block's frame."""
+
+    def __init__(self) -> None:
+        self.frames = self.samples = self.clipped = 0
+        self.peak = 0.0
+
+    def add(self, x: np.ndarray, frames: int) -> None:
+        peak = float_peak(x, f"from frame {self.frames}")
+        if peak > 1.0:
+            self.clipped += int(np.count_nonzero(np.abs(x) > 1.0))
+        self.peak = max(self.peak, peak)
+        self.frames += frames
+        self.samples += x.size
+
+    def result(self) -> FloatScan:
+        return FloatScan(self.frames, self.samples, self.peak, self.clipped)
 
 
 def decode(data: bytes, dtype: str = "float32") -> tuple[np.ndarray, int]:
@@ -92,13 +155,13 @@ def decode(data: bytes, dtype: str = "float32") -> tuple[np.ndarray, int]:
         raise AudioError("empty_audio", "0 bytes")
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            floats = f.subtype in FLOAT_SUBTYPES
+            floats = f.subtype in FLOAT_SUBTYPES  # libsndfile's float -> int read does not scale (float_to_int16)
             x = f.read(dtype="float32" if floats else dtype, always_2d=False)
             rate = f.samplerate
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", str(e)) from e
     if floats:
-        check_finite(x, "float audio")
+        _clip_float(x, float_peak(x, "float audio"))
         x = x.astype(dtype, copy=False) if np.dtype(dtype).kind == "f" else float_to_int16(x)
     return x, int(rate)
 
@@ -218,9 +281,12 @@ class _MemfdDecoder:
         return handle, info
 
     def decoded_frames(self, data) -> int:
-        """Frames a full decode of `data` yields, decoded in blocks into one scratch buffer (constant memory)."""
+        """Frames a full decode of `data` yields, decoded in blocks into one scratch buffer (constant memory).
+        A float source is read as floats and checked for NaN/Inf (AudioError non_finite_audio)."""
         handle, info = self._open(data)
         try:
+            if info.format & _SF_SUBMASK in _SF_FLOAT_CODES:
+                return self._float_blocks(handle, info).frames
             block = 1 << 14
             scratch = _ffi.new("short[]", block * max(1, int(info.channels)))
             total = 0
@@ -237,24 +303,43 @@ class _MemfdDecoder:
         finally:
             _snd.sf_close(handle)
 
+    def float_scan(self, data) -> FloatScan | None:
+        """FloatScan of a float source (full decode, constant memory), None for any other subtype."""
+        handle, info = self._open(data)
+        try:
+            return self._float_blocks(handle, info) if info.format & _SF_SUBMASK in _SF_FLOAT_CODES else None
+        finally:
+            _snd.sf_close(handle)
+
+    @staticmethod
+    def _float_blocks(handle, info) -> FloatScan:
+        scratch = np.empty((1 << 14) * max(1, int(info.channels)), np.float32)
+        ptr, scan = _ffi.from_buffer("float[]", scratch), _FloatTally()
+        while True:
+            got = _snd.sf_readf_float(handle, ptr, 1 << 14)
+            if got <= 0:
+                break
+            scan.add(scratch[:int(got) * max(1, int(info.channels))], int(got))
+        err = _snd.sf_error(handle)
+        if err:
+            raise AudioError("truncated_audio" if scan.frames else "unreadable_audio",
+                             f"LibsndfileError: {_sf_message(err)}")
+        return scan.result()
+
     def decode_into(self, data, out: np.ndarray) -> int:
         handle, info = self._open(data)
         try:
             if info.channels != 1:
                 return -int(info.channels)  # caller falls back to the downmixing path
-            is_float = (info.format & _SF_SUBMASK) in (_SF_FLOAT, _SF_DOUBLE)
-            dest = out if out.dtype == np.float32 or not is_float else np.zeros(len(out), np.float32)
-            read = _snd.sf_readf_float if dest.dtype == np.float32 else _snd.sf_readf_short
-            got = read(handle, _ffi.from_buffer(_C_TYPES[dest.dtype.char], dest), len(dest))
+            floats = info.format & _SF_SUBMASK in _SF_FLOAT_CODES  # NaN/Inf check, clip, scaled to int16
+            dst = out if out.dtype == np.float32 or not floats else np.empty(len(out), np.float32)
+            read = _snd.sf_readf_float if dst.dtype == np.float32 else _snd.sf_readf_short
+            got = int(read(handle, _ffi.from_buffer(_C_TYPES[dst.dtype.char], dst), len(dst)))
             if got < len(out):  # only a short read can carry an error (one C call less per member otherwise)
                 err = _snd.sf_error(handle)
                 if err:
                     raise AudioError("unreadable_audio", f"LibsndfileError: {_sf_message(err)}")
-            if is_float:  # the only members that can hold NaN; integer formats skip the scan
-                check_finite(dest[:got], "float audio")
-                if dest is not out:
-                    float_to_int16(dest[:got], out)
-            return int(got)
+            return _float_out(dst[:max(got, 0)], out) if floats else got
         finally:
             _snd.sf_close(handle)
 
@@ -300,14 +385,38 @@ def decoded_frames(data) -> int:
             return frames
     if FAST_DECODE:
         return _decoder().decoded_frames(data)
-    decoded = 0
+    scan = _scan_slow(data, float_only=False)
+    assert scan is not None
+    return scan.frames
+
+
+def float_scan(data) -> FloatScan | None:
+    """Frames, peak and clipped-sample count of a float source (WAV FLOAT/DOUBLE) by a full read, None for any
+    other stored audio (FLAC answers from its magic bytes, without decoding). Raises AudioError non_finite_audio
+    for NaN/Inf, like decoded_frames. Pack's check of a float file kept byte for byte: ~0.3 ms per 10 s."""
+    if not len(data) or _is_flac(data):
+        return None
+    if FAST_DECODE:
+        return _decoder().float_scan(data)
+    return _scan_slow(data, float_only=True)
+
+
+def _scan_slow(data, float_only: bool) -> FloatScan | None:
+    """decoded_frames / float_scan through soundfile's Python callbacks (platforms without memfd)."""
+    tally = _FloatTally()
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            for block in f.blocks(blocksize=1 << 16, dtype="int16"):
-                decoded += len(block)
+            is_float = f.subtype in FLOAT_SUBTYPES
+            if float_only and not is_float:
+                return None
+            for block in f.blocks(blocksize=1 << 16, dtype="float32" if is_float else "int16", always_2d=True):
+                if is_float:
+                    tally.add(block, len(block))
+                else:
+                    tally.frames += len(block)
     except SF_ERRORS as e:
-        raise AudioError("truncated_audio" if decoded else "unreadable_audio", f"{type(e).__name__}: {e}") from e
-    return decoded
+        raise AudioError("truncated_audio" if tally.frames else "unreadable_audio", f"{type(e).__name__}: {e}") from e
+    return tally.result()
 
 
 def decode_into(data, out: np.ndarray) -> int:
@@ -331,18 +440,9 @@ def decode_into(data, out: np.ndarray) -> int:
             return got
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            if f.channels == 1 and out.dtype.char in "fh" and (f.subtype not in FLOAT_SUBTYPES or
-                                                               out.dtype == np.float32):
-                got = len(f.read(len(out), dtype=out.dtype.name, out=out))
-                if f.subtype in FLOAT_SUBTYPES:
-                    check_finite(out[:got], "float audio")
-                return got
-            mono = f.read(len(out), dtype="float32", always_2d=True).mean(axis=1)
+            if f.channels == 1 and out.dtype.char in "fh" and f.subtype not in FLOAT_SUBTYPES:
+                return len(f.read(len(out), dtype=out.dtype.name, out=out))
+            mono = f.read(len(out), dtype="float32", always_2d=True).mean(axis=1, dtype=np.float32)
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{type(e).__name__}: {e}") from e
-    check_finite(mono, "audio")
-    if out.dtype == np.float32:
-        out[:len(mono)] = mono
-    else:
-        float_to_int16(mono, out)
-    return len(mono)
+    return _float_out(mono, out)

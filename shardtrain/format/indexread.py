@@ -4,7 +4,7 @@ are materialised.
     ParquetFile footer -> check_footer: rows == the manifest's, column types, row groups, and every column chunk's
                           uncompressed size within rows x the column's per-row bound       (no data read yet)
     column chunks      -> read_bounded: string columns read dictionary-encoded (as stored: a repeated 1 MB string
-                          costs 1 MB, not rows x 1 MB), their lengths checked (per value and per column total)
+                          costs 1 MB, not rows x 1 MB), their lengths checked (per value, format/limits.py)
                           on the dictionary, then decoded to plain strings              -> pyarrow.Table
 
 Why both: a crafted 9 KB index can hold one long string in a dictionary page and point every row at it, so a
@@ -25,15 +25,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardtrain.format.arrownp import filled, numpy_of
+from shardtrain.format.limits import MAX_STRING_BYTES, string_bound
 from shardtrain.format.validate import DatasetError
 
-MAX_STRING_BYTES = {"key": 80, "codec": 16, "text": 64 << 10, "speaker": 1024, "language": 64, "source": 4096}
-"""Longest value (UTF-8 bytes) of each string column; a longer one refuses the index."""
-MEAN_STRING_BYTES = {"key": 80, "codec": 16, "text": 4096, "speaker": 256, "language": 64, "source": 1024}
-"""Bound on a string column's total bytes per row: what a column may cost in memory (rows x this)."""
 STRING_COLUMNS = tuple(MAX_STRING_BYTES)
-OTHER_STRING_BYTES = 4096
-"""Per value, for a string column outside the schema (an extra column some tool added)."""
 NUMBER_BYTES = 16
 """Uncompressed bytes per row a numeric column chunk may hold (8-byte value + levels + page overhead)."""
 CHUNK_SLACK_BYTES = 1 << 20
@@ -46,10 +41,6 @@ def _is_string(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
         t = t.value_type
     return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
-def _string_bound(name: str) -> int:
-    return MAX_STRING_BYTES.get(name, OTHER_STRING_BYTES)
 
 
 def check_footer(pf, rows: int, columns: Sequence[str], where: str) -> None:
@@ -78,7 +69,7 @@ def check_footer(pf, rows: int, columns: Sequence[str], where: str) -> None:
             if i is None:
                 continue
             t = schema.field(name).type
-            per_row = _string_bound(name) + 4 if _is_string(t) else NUMBER_BYTES
+            per_row = string_bound(name) + 4 if _is_string(t) else NUMBER_BYTES
             size = rg.column(i).total_uncompressed_size
             if size > rg.num_rows * per_row + CHUNK_SLACK_BYTES:
                 raise DatasetError(f"{where}: row group {g} column {name} claims {size} uncompressed bytes for "
@@ -88,13 +79,13 @@ def check_footer(pf, rows: int, columns: Sequence[str], where: str) -> None:
 
 
 def _bounded_strings(col: pa.ChunkedArray, name: str, where: str) -> pa.ChunkedArray:
-    """A dictionary-encoded string column -> plain strings, after checking the length of every value in use and
-    the column's total against MAX_STRING_BYTES / MEAN_STRING_BYTES (computed on the dictionary: no expansion)."""
+    """A dictionary-encoded string column -> plain strings, after checking the length of every value in use
+    against format/limits.MAX_STRING_BYTES (computed on the dictionary: no expansion), the bound pack enforces per
+    item. A column then expands to at most rows x its bound, what the footer check allows its stored chunks."""
     dictionary = pa.types.is_dictionary(col.type)
     if not _is_string(col.type):
         return col
-    limit, mean = _string_bound(name), MEAN_STRING_BYTES.get(name, OTHER_STRING_BYTES)
-    total = 0
+    limit = string_bound(name)
     for chunk in col.chunks:
         if len(chunk) == 0:
             continue
@@ -109,10 +100,6 @@ def _bounded_strings(col: pa.ChunkedArray, name: str, where: str) -> pa.ChunkedA
             row = int(np.argmax(used > limit))
             raise DatasetError(f"{where}: column {name} holds a {int(used[row])}-byte value (row {row} of a "
                                f"chunk), more than the {limit} it may have")
-        total += int(used.sum())
-    if total > len(col) * mean:
-        raise DatasetError(f"{where}: column {name} holds {total} bytes for {len(col)} rows, more than "
-                           f"{mean} a row on average")
     if not dictionary:
         return col
     return pa.chunked_array([c.dictionary_decode() for c in col.chunks], type=col.type.value_type)

@@ -44,13 +44,8 @@ MAX_SHARDS = 10_000_000
 MAX_SHARD_SAMPLES = 100_000_000
 MAX_SHARD_BYTES = 1 << 44
 """16 TiB: beyond any real shard; what bounds allocation is the per-row bounds below."""
-MAX_AUDIO_BYTES = 1 << 30
-"""One audio member. A reader allocates row sizes, so a hostile index cannot make it allocate more than this."""
-MAX_JSON_BYTES = 1 << 20
-"""One `<key>.json` member (text + metadata; real ones are a few hundred bytes)."""
-MAX_DURATION_S = 86_400.0
-MAX_SAMPLE_RATE_HZ = 768_000
-MAX_CHANNELS = 64
+from shardtrain.format.limits import (MAX_AUDIO_BYTES, MAX_CHANNELS, MAX_DURATION_S,  # noqa: E402,F401 - one set
+                                     MAX_JSON_BYTES, MAX_SAMPLE_RATE_HZ)
 SAMPLES_REL_TOL = 0.01
 SAMPLES_ABS_TOL_S = 0.001
 """num_samples may differ from duration_s x sample_rate_hz by 1% + 1 ms + 1 sample (pack writes duration_s =

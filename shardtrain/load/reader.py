@@ -223,8 +223,10 @@ class ChunkReader:
         want = len(out)
         try:
             got = decode_into(buf[a0:a0 + a_len], out)
-        except AudioError as e:
-            return key, text, 0, f"decode_error: {show(str(e), 200)}", t_parse, time.perf_counter() - t1
+        except AudioError as e:  # NaN/Inf in a float source (format.audio.float_peak) is its own skip reason
+            why = f"non_finite_audio: {show(e.detail, 200)}" if e.reason == "non_finite_audio" else \
+                f"decode_error: {show(str(e), 200)}"
+            return key, text, 0, why, t_parse, time.perf_counter() - t1
         t2 = time.perf_counter()
         if got < want:
             return key, text, 0, f"decode_error: {got} of {want} samples decoded (truncated or damaged audio)", t_parse, t2 - t1

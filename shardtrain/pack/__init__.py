@@ -8,6 +8,7 @@
     keys.py        sample keys that are safe in tar names and in webdataset (sanitised, de-duplicated)
     parts.py       the input cut into parts in input order (the unit of listing work for an engine)
     scan.py        one part of the input = one task: read items, probe headers, per-item filters -> PartScan
+    itemcheck.py   per-item rejects for what a reader refuses (format/limits) and CTC-impossible transcripts
     plan.py        the global plan on the driver from PartScans: duplicates, keys, rejects, sort, shards, fingerprint
     shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process or a Ray task)
     engine.py      where tasks run: LocalEngine (this process + a process pool) or RayEngine (`--engine ray`)

@@ -36,6 +36,7 @@ from shardtrain import storage
 from shardtrain._version import __version__
 from shardtrain.format import manifest as index
 from shardtrain.format.codecs import CODECS
+from shardtrain.pack.itemcheck import DEFAULT_MAX_CHARS_PER_S
 from shardtrain.pack.shard_task import PackError, marker_name
 from shardtrain.storage.redact import redact_url
 
@@ -84,6 +85,10 @@ class PackConfig:
     noise, so it is left out by default, and counted in rejects.jsonl."""
     max_duration_s: float | None = None
     """Reject utterances longer than this, reason `too_long` (`--max-duration-s`)."""
+    max_chars_per_s: float | None = DEFAULT_MAX_CHARS_PER_S
+    """Reject transcripts with more characters than this x duration + 20, reason `impossible_target`
+    (`--max-chars-per-s`; 0 or None turns it off): a target no CTC model can align. 50 is ~3x read speech
+    (~15 a second) and far above fast speech (~25-30); pack/itemcheck.py says why."""
     split: str | None = None
     """Split of a Hugging Face DatasetDict folder (`--split`, e.g. train); required for one, else unused."""
     workers: int = 1
@@ -117,6 +122,8 @@ class PackConfig:
             raise ValueError(f"--target-shard-mb must be > 0, got {self.target_shard_mb}")
         if self.max_samples_per_shard is not None and self.max_samples_per_shard < 1:
             raise ValueError(f"--max-samples-per-shard must be >= 1, got {self.max_samples_per_shard}")
+        if self.max_chars_per_s is not None and not self.max_chars_per_s >= 0:
+            raise ValueError(f"--max-chars-per-s must be >= 0 (0 turns the check off), got {self.max_chars_per_s}")
         if self.min_duration_s is not None and self.max_duration_s is not None:
             if self.min_duration_s > self.max_duration_s:
                 raise ValueError("--min-duration-s must be <= --max-duration-s")
@@ -147,6 +154,7 @@ class PackConfig:
             **({"text_column": self.text_column} if self.text_column else {}),
             **({"split": self.split} if self.split else {}),
             **({"channels_policy": self.channels_policy} if self.channels_policy != "mix" else {}),
+            **({"max_chars_per_s": self.max_chars_per_s} if self.max_chars_per_s != DEFAULT_MAX_CHARS_PER_S else {}),
         }
 
 
@@ -174,6 +182,8 @@ class PackResult:
     """index.parquet from the done-markers, rejects.jsonl, manifest.json, removing _work/."""
     items: int = 0
     """Items read from INPUT (samples + rejects)."""
+    clipped: int = 0
+    """Accepted float sources with samples past full scale, clipped (each also a warning naming the file)."""
     already_complete: bool = False
 
     @property
@@ -421,6 +431,10 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
 
     manifest, all_rejects = _commit(cfg, out, fp, [done[i] for i in range(plan.shards)], rows, rejects.rows)
     commit_s = time.perf_counter() - t1 - write_s
+    clipped = [c for i in range(plan.shards) for c in done[i].get("clipped", ())]
+    if clipped:
+        log.warning("%d float files had samples past full scale, clipped (first: %s, %d samples)", len(clipped),
+                    clipped[0]["path"], clipped[0]["samples"])
     by_reason: dict[str, int] = {}
     for r in all_rejects:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
@@ -429,7 +443,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
                       rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
                       shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
                       items=t["samples"] + len(all_rejects), scan_s=scan_s, plan_s=probe_s - scan_s,
-                      commit_s=commit_s)
+                      commit_s=commit_s, clipped=len(clipped))
 
 
 def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _IndexRows,

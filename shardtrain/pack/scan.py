@@ -3,7 +3,8 @@
     SourcePart -> sources.part_items -> Item | Reject
                -> per item: source reject / empty transcript        -> PartScan.early (reject rows, input position)
                -> probe headers (threads)                           -> AudioInfo | AudioError
-               -> empty_audio, segment_out_of_range, too_short/long  -> PartScan.late (reject rows, keys added later)
+               -> empty_audio, segment_out_of_range, too_short/long,
+                  format limits, impossible_target (pack/itemcheck)  -> PartScan.late (reject rows, keys added later)
     -> (PartScan: the compact columns the global plan needs, records: [(Item, AudioInfo, duration_s, est_bytes)])
 
 Both engines run `scan_part` unchanged: LocalEngine in the driver, RayEngine as a Ray task. Only the PartScan goes
@@ -26,6 +27,7 @@ import pyarrow as pa
 
 from shardtrain import storage
 from shardtrain.format.codecs import ENCODE_RATIO
+from shardtrain.pack.itemcheck import item_problem
 from shardtrain.pack.keys import sanitize_key
 from shardtrain.pack.shard_task import PlannedSample, error_reason
 
@@ -134,7 +136,8 @@ def _filter(cfg: PackConfig, item, info) -> tuple[float, dict | None]:
         return reject("too_short", f"{duration_s:.3f} s < --min-duration-s {cfg.min_duration_s:g}")
     if cfg.max_duration_s is not None and duration_s > cfg.max_duration_s:
         return reject("too_long", f"{duration_s:.3f} s > --max-duration-s {cfg.max_duration_s:g}")
-    return duration_s, None
+    problem = item_problem(cfg, item, duration_s)  # format limits, CTC-impossible transcripts
+    return (duration_s, None) if problem is None else reject(*problem)
 
 
 def sample_digest(s: PlannedSample) -> bytes:

@@ -125,7 +125,8 @@ def _fault_marker(task: ShardTask):
 
 def write_shard(task: ShardTask) -> dict:
     """Encode, tar, hash and atomically publish one shard, then its done-marker. Returns the marker:
-    `{"fingerprint", "shard", "info": ShardInfo dict, "rows": [index rows], "rejects": [reject rows]}`.
+    `{"fingerprint", "shard", "info": ShardInfo dict, "rows": [index rows], "rejects": [reject rows], "clipped":
+    [{id, key, path, samples}: accepted float sources with samples clipped at full scale]}`.
 
     A sample whose audio fails to encode is left out and recorded (deterministically: same input, same result);
     under `strict` it raises PackError instead. Samples are written in (stored duration_s, key) order.
@@ -135,7 +136,7 @@ def write_shard(task: ShardTask) -> dict:
     from shardtrain import storage
 
     faults.point("pack.shard", task.shard, once_marker=_fault_marker(task))
-    encoded, rejects = _encode_all(task)
+    encoded, rejects, clipped = _encode_all(task)
     name = f"shard-{task.shard:06d}.tar"
     rows, nbytes, sha = _write_tar(task, name, encoded)
     durations = [e[0] for e in encoded]
@@ -147,6 +148,7 @@ def write_shard(task: ShardTask) -> dict:
                  "bytes": nbytes, "sha256": sha},
         "rows": rows,
         "rejects": rejects,
+        "clipped": clipped,
     }
     if not task.defer_sync:
         publish_marker(task.output, task.storage_options, marker, synced=True)
@@ -168,19 +170,27 @@ def publish_marker(output: str, storage_options: dict | None, marker: dict, sync
                                json.dumps(marker, sort_keys=True).encode(), storage_options)
 
 
-def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict]]:
-    """Encode every sample of the task: ([(stored duration_s, key, sample, stored info, bytes)] in write order,
-    [reject rows]). One failing sample is a reject (PackError under strict), never the whole shard."""
+def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict], list[dict]]:
+    """Encode every sample of the task: ([(stored duration_s, key, sample, stored info, bytes, json)] in write
+    order, [reject rows], [clipped rows: float sources with samples clipped at full scale]). One failing sample is
+    a reject (PackError under strict), never the whole shard; so is one a reader would refuse (format/limits via
+    itemcheck.stored_problem: member sizes, stored rate)."""
+    from shardtrain.pack.itemcheck import ItemError, stored_problem
     from shardtrain.pack.transcode import encode_for_shard
 
-    encoded, rejects = [], []
+    encoded, rejects, clipped = [], [], []
     for s in task.samples:
+        notes: dict = {}
         try:
-            data, stored = encode_for_shard(s.item, s.info, task.target, task.storage_options)
+            data, stored = encode_for_shard(s.item, s.info, task.target, task.storage_options, notes=notes)
             if stored.codec not in CODECS:
                 raise ValueError(f"stored codec {stored.codec!r} is not one of {CODECS}")
             if stored.num_samples <= 0 or not data:
                 raise ValueError("encoded audio is empty")
+            meta = sample_json(s, stored)
+            problem = stored_problem(s.item, stored, len(data), len(meta))  # what a reader would refuse
+            if problem is not None:
+                raise ItemError(*problem)
         except Exception as e:  # noqa: BLE001 - any failure of one sample rejects that sample only
             reason, detail = error_reason(e, "encode_failed")
             if task.strict:
@@ -189,9 +199,11 @@ def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict]]:
             rejects.append({"id": s.item.id, "key": s.key, "path": str(s.item.audio), "reason": reason,
                             "detail": detail})
             continue
-        encoded.append((stored.duration_s, s.key, s, stored, data))
+        encoded.append((stored.duration_s, s.key, s, stored, data, meta))
+        if notes.get("clipped"):
+            clipped.append({"id": s.item.id, "key": s.key, "path": str(s.item.audio), "samples": notes["clipped"]})
     encoded.sort(key=lambda e: (e[0], e[1]))
-    return encoded, rejects
+    return encoded, rejects, clipped
 
 
 def _write_tar(task: ShardTask, name: str, encoded: list[tuple]) -> tuple[list[dict], int, str]:
@@ -211,8 +223,8 @@ def _write_tar(task: ShardTask, name: str, encoded: list[tuple]) -> tuple[list[d
     try:
         with os.fdopen(fd, "wb") as f:
             w = ShardWriter(f)
-            for duration_s, key, s, stored, data in encoded:
-                o = w.add(key, stored.codec, data, sample_json(s, stored))
+            for duration_s, key, s, stored, data, meta in encoded:
+                o = w.add(key, stored.codec, data, meta)
                 rows.append({
                     "key": key, "shard": task.shard, "offset": o.offset, "size": o.size,
                     "audio_offset": o.audio_offset, "audio_size": o.audio_size, "json_offset": o.json_offset,

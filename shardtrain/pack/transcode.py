@@ -6,6 +6,15 @@ Audio keeps its original bytes when it already matches the target codec, rate an
 file, not a segment); those bytes are read once and, with `AudioTarget.verify_decode`, decoded once to catch
 truncation (FLAC ~2 ms per 10 s). Everything else is decoded, cut to its segment, downmixed, resampled with
 torchaudio's sinc resampler and encoded with soundfile.
+
+Levels: every source reaches the shard at its own level. Integer PCM (8/16/24/32-bit, any container) is read as
+int16 by libsndfile's shifts; float sources (WAV/AIFF/... FLOAT or DOUBLE) are read as float32 and scaled by
+32768 here, because libsndfile's float -> int16 read does not scale (a float WAV became -1/0/+1, ~90 dB down).
+Float sources are the only ones that can hold NaN/Inf (rejected: `non_finite_audio`) or exceed full scale: such
+peaks are clipped, not scaled (scaling would set each file's level by its loudest sample; clipping keeps the level
+of everything under full scale and distorts only the overs), with a warning naming the file; when more than
+`AudioTarget.max_clipped_share` of the samples are over, the file is rejected (`clipped_audio`): it is mis-scaled
+(typically integer values stored as floats, peaks of ~32767.0), and clipping would store a square wave.
 """
 from __future__ import annotations
 
@@ -18,8 +27,8 @@ import numpy as np
 import soundfile as sf
 
 from shardtrain.pack.sources import Item
-from shardtrain.format.audio import (FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, check_finite, decoded_frames,
-                                     float_to_int16)
+from shardtrain.format.audio import FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, FloatScan, decoded_frames
+from shardtrain.format.audio import float_peak, float_scan, float_to_int16
 from shardtrain.format.codecs import CODECS, SF_FORMAT
 from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, MP3_RATES_HZ, open_audio, read_audio_bytes
 from shardtrain.pack.probe import OPUS_RATES_HZ
@@ -49,6 +58,10 @@ class AudioTarget:
     the channels (a recording with speech on one side only loses 6 dB), "first" keeps channel 0, "<index>" keeps
     that channel (an input with fewer channels is rejected, `missing_channel`). Picking a channel copies its
     16-bit samples exactly when no resampling is needed."""
+    max_clipped_share: float = 0.01
+    """A float source with more than this share of its samples beyond full scale (|x| > 1.0) is rejected
+    (`clipped_audio`); fewer are clipped with a warning. 1%: a normalised file's overs (resampling, a limiter) are
+    far rarer; integer-scaled floats put nearly every sample over."""
 
     def __post_init__(self) -> None:
         channel_index(self.channel_policy)  # validates
@@ -56,6 +69,8 @@ class AudioTarget:
             raise ValueError(f"audio codec (--codec) must be one of {CODECS}, got {self.codec!r}")
         if self.sample_rate_hz <= 0:
             raise ValueError(f"--sample-rate must be > 0, got {self.sample_rate_hz}")
+        if not 0.0 <= self.max_clipped_share <= 1.0:
+            raise ValueError(f"max_clipped_share must be in [0, 1], got {self.max_clipped_share}")
         if self.codec == "opus" and self.sample_rate_hz not in OPUS_RATES_HZ:
             raise ValueError(f"--sample-rate {self.sample_rate_hz} is not allowed with opus; use one of "
                              f"{OPUS_RATES_HZ}")
@@ -112,61 +127,74 @@ def _verify_bytes(data: bytes, info: AudioInfo, where: str) -> None:
                                             f"{decoded}")
 
 
-def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, where: str) -> np.ndarray:
+def _clip_policy(clipped: int, samples: int, peak: float, target: AudioTarget, where: str) -> int:
+    """Reject (`clipped_audio`) a float source with too many samples over full scale; warn for a few. Returns the
+    count clipped."""
+    if not clipped:
+        return 0
+    share = clipped / max(samples, 1)
+    if share > target.max_clipped_share:
+        raise AudioError("clipped_audio", f"{where}: {clipped} of {samples} samples ({share:.1%}) exceed full scale "
+                                          f"(peak {peak:.4g}; more than max_clipped_share {target.max_clipped_share:g}):"
+                                          " the floats are mis-scaled (integer values stored as float?); rescale to "
+                                          "[-1, 1]")
+    log.warning("%s: %d float samples past full scale (peak %.4g) clipped at full scale", where, clipped, peak)
+    return clipped
+
+
+def _float_level(x: np.ndarray, target: AudioTarget, where: str) -> int:
+    """A float source's samples, in place: NaN/Inf rejected, overs counted (policy) and clipped to [-1, 1].
+    Returns the count clipped."""
+    peak = float_peak(x, where)
+    if peak <= 1.0:
+        return 0
+    clipped = _clip_policy(int(np.count_nonzero(np.abs(x) > 1.0)), x.size, peak, target, where)
+    np.clip(x, -1.0, 1.0, out=x)
+    return clipped
+
+
+def _check_kept_float(scan: FloatScan, info: AudioInfo, target: AudioTarget, where: str) -> int:
+    """A float file kept byte for byte: its full read (float_scan) must reach the header's length, and its overs
+    pass the clip policy (the loader clips them at full scale). Returns the count the loader will clip."""
+    if scan.frames != info.num_samples:
+        raise AudioError("truncated_audio", f"{where}: header promises {info.num_samples} samples, decode yields "
+                                            f"{scan.frames}")
+    return _clip_policy(scan.clipped, scan.samples, scan.peak, target, where)
+
+
+def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, where: str) -> tuple[np.ndarray, bool]:
     """Decode only [start, start + count) (soundfile seek); a short read means a damaged file and raises. The
     segment's tail is decoded first (tailcheck.seek_tail), so a header that lies about the length costs a seek, not an
-    allocation of `count` samples."""
+    allocation of `count` samples. Returns (samples, whether the source is float): a float source is always read as
+    float32 (see the module docstring)."""
     try:
         with sf.SoundFile(src) as f:
+            is_float = f.subtype in FLOAT_SUBTYPES
+            if is_float:
+                dtype = "float32"
             seek_tail(f, start + count, where)
             f.seek(start)
-            floats = f.subtype in FLOAT_SUBTYPES  # read as float: libsndfile's float->int read does not scale
-            x = f.read(count, dtype="float32" if floats else dtype, always_2d=True)
+            x = f.read(count, dtype=dtype, always_2d=True)
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{where}: {e}") from e
     if len(x) != count:
         raise AudioError("truncated_audio", f"{where}: expected {count} samples from {start}, decode yields "
                                             f"{len(x)}")
-    if floats:
-        check_finite(x, where)
-        _warn_clipping(x, where)
-        if dtype == "int16":
-            x = float_to_int16(x)
-    return x
+    return x, is_float
 
 
-def _warn_clipping(x: np.ndarray, where: str) -> None:
-    """Float audio past full scale is clipped when stored as 16-bit; say so (with the key) rather than scale it,
-    which would change the level of the whole file for a few loud samples."""
-    over = int(np.count_nonzero(np.abs(x) > 1.0))
-    if over:
-        log.warning("%s: %d float samples past full scale (peak %.2f) clip at 16 bits", where, over,
-                    float(np.abs(x).max()))
-
-
-def _check_kept_floats(data: bytes, info: AudioInfo, where: str) -> None:
-    """A kept-original WAV of float samples is scanned for NaN/Inf (the loader would find them mid-epoch)."""
-    if info.codec != "wav":
-        return  # FLAC is integer; Opus and MP3 decoders produce finite samples
-    try:
-        with sf.SoundFile(io.BytesIO(data)) as f:
-            if f.subtype not in FLOAT_SUBTYPES:
-                return
-            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
-                check_finite(block, where)
-    except SF_ERRORS as e:
-        raise AudioError("unreadable_audio", f"{where}: {e}") from e
-
-
-def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_options: dict | None = None
-                     ) -> tuple[bytes, AudioInfo]:
+def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_options: dict | None = None, *,
+                     notes: dict | None = None) -> tuple[bytes, AudioInfo]:
     """Bytes to store for `item` and the AudioInfo of the stored audio (`info` = probe of `item.audio`).
 
     Keeps the file's bytes unchanged when the item is the whole file and (codec, rate, channels) match the target,
     or `target.keep_original` and the codec is a shard codec. Otherwise decodes only the segment, downmixes
     (mean over channels) or repeats a mono channel, resamples with torchaudio's windowed-sinc resampler
     (`functional.resample`, default Hann window, 6 zero crossings, rolloff 0.99) and encodes 16-bit to the target
-    codec. Without resampling or downmixing samples go through as int16, so a 16-bit source is copied exactly.
+    codec. Without resampling or downmixing samples go through as int16, so a 16-bit source is copied exactly; a
+    float source goes through float32 at its true level (module docstring: NaN/Inf and clipping). `notes`, when
+    given, receives {"clipped": samples clipped at full scale} for a float source with overs (the shard task
+    counts them).
     """
     start, count = _segment_frames(item, info)
     whole = start == 0 and count == info.num_samples
@@ -174,11 +202,13 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
                                                                    target.channels)
     if whole and info.codec in CODECS and (matches or target.keep_original):
         data = read_audio_bytes(item.audio, storage_options)
-        if target.verify_decode:
+        scan = _kept_float_scan(data, info, item.audio)
+        if scan is not None:  # float: always read whole (NaN/Inf, overs), which is also the decode check
+            _note_clipped(notes, _check_kept_float(scan, info, target, item.audio))
+        elif target.verify_decode:
             _verify_bytes(data, info, item.audio)
         else:  # still never store a header that lies about its length (the loader would find out mid-epoch)
             check_tail(data, info, item.audio)
-        _check_kept_floats(data, info, item.audio)
         return data, info
 
     if info.channels != target.channels and target.channels != 1 and info.channels != 1:
@@ -191,7 +221,10 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
     resample = info.sample_rate_hz != target.sample_rate_hz
     as_float = resample or (info.channels > 1 and target.channels == 1 and pick is None)
     with open_audio(item.audio, storage_options) as src:
-        x = _read_segment(src, start, count, "float32" if as_float else "int16", item.audio)
+        x, is_float = _read_segment(src, start, count, "float32" if as_float else "int16", item.audio)
+    as_float = as_float or is_float
+    if is_float:
+        _note_clipped(notes, _float_level(x, target, item.audio))
     if pick is not None:
         x = np.ascontiguousarray(x[:, pick: pick + 1])
     elif info.channels > 1 and target.channels == 1:
@@ -212,8 +245,6 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
         finally:
             torch.set_num_threads(threads)
         x = y.T.numpy()
-    if as_float:
-        check_finite(x, item.audio)  # downmixed or resampled: the sinc filter spreads one NaN over its window
     pcm = float_to_int16(x) if as_float else x
     if len(pcm) == 0:
         raise AudioError("empty_audio", f"{item.audio}: segment resamples to 0 samples")
@@ -226,3 +257,18 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
     n = len(pcm)
     return buf.getvalue(), AudioInfo(duration_s=n / target.sample_rate_hz, sample_rate_hz=target.sample_rate_hz,
                                      num_samples=n, channels=pcm.shape[1], codec=target.codec)
+
+
+def _kept_float_scan(data: bytes, info: AudioInfo, where: str) -> FloatScan | None:
+    """float_scan of a kept WAV (None for integer PCM, FLAC and other codecs), its errors naming the file."""
+    if info.codec != "wav":
+        return None
+    try:
+        return float_scan(data)
+    except AudioError as e:
+        raise AudioError(e.reason, f"{where}: {e.detail}") from e
+
+
+def _note_clipped(notes: dict | None, clipped: int) -> None:
+    if notes is not None and clipped:
+        notes["clipped"] = clipped

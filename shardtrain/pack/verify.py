@@ -38,7 +38,7 @@ class Problem:
     """Sample key, when the problem is about one sample."""
     kind: str
     """Short code: missing_shard, size_mismatch, sha256_mismatch, tar_error, members_mismatch, bad_header,
-    truncated, bad_json, decode_failed, num_samples_mismatch, index_mismatch."""
+    truncated, bad_json, decode_failed, non_finite_audio, num_samples_mismatch, index_mismatch."""
     detail: str = ""
 
     def __str__(self) -> str:
@@ -135,6 +135,8 @@ def _decode_check(key: str, audio: bytes, want_samples: int) -> tuple[str, str] 
     try:
         n = decoded_frames(audio)
     except Exception as e:  # noqa: BLE001 - any decoder failure is a problem to report, not a crash
+        if getattr(e, "reason", None) == "non_finite_audio":  # a float member holding NaN/Inf: the loader skips it
+            return "non_finite_audio", str(getattr(e, "detail", e))
         return "decode_failed", f"{type(e).__name__}: {e}"
     if n != want_samples:
         return "num_samples_mismatch", f"decoded {n} samples, index says {want_samples}"

@@ -93,6 +93,24 @@ def pseudo_sentence(rng: np.random.Generator) -> str:
     return librispeech_text(text)
 
 
+SPOKEN_CHARS_PER_S = 20.0
+"""Characters a second the generated transcripts stay under (read speech runs ~15): pack rejects transcripts no
+CTC model could align (`impossible_target`), so a corpus pairing 0.2 s of audio with a 90-character sentence
+would lose its short clips."""
+
+
+def fit_words(text: str, duration_s: float) -> str:
+    """The leading words of `text` that a speaker could say in `duration_s` (SPOKEN_CHARS_PER_S, at least one)."""
+    budget = max(20.0, SPOKEN_CHARS_PER_S * duration_s)
+    words = text.split()
+    out = words[:1]
+    for w in words[1:]:
+        if len(" ".join(out)) + 1 + len(w) > budget:
+            break
+        out.append(w)
+    return " ".join(out)
+
+
 def librispeech_text(text: str) -> str:
     """LibriSpeech-style transcript: UPPERCASE letters, in-word apostrophes and single spaces only."""
     text = re.sub(r"[^A-Z']+", " ", text.upper())
@@ -129,7 +147,8 @@ def make_corpus(
 
     fmt: wav | flac | opus (alias ogg; Ogg container, extension .opus) | mp3. wav and flac are byte-identical for
     the same arguments; opus/mp3 decode to a slightly different length (codec pre-skip/padding) and their bytes
-    depend on the libsndfile build. Speakers cycle spk0..spk2. text_fn(i) overrides the pseudo-sentences.
+    depend on the libsndfile build. Speakers cycle spk0..spk2. Transcripts are pseudo-sentences cut to what could be
+    said in the clip (fit_words); text_fn(i) overrides them.
     """
     if fmt not in _FORMATS:
         raise ValueError(f"make_corpus: fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
@@ -147,7 +166,8 @@ def make_corpus(
         wave = chans[0] if channels == 1 else np.stack(chans, axis=1)
         name = f"utt-{i:05d}"
         sf.write(root / f"{name}.{ext}", wave, sample_rate_hz, format=major, subtype=subtype)
-        text = text_fn(i) if text_fn is not None else pseudo_sentence(np.random.default_rng(sub))
+        text = text_fn(i) if text_fn is not None else fit_words(pseudo_sentence(np.random.default_rng(sub)),
+                                                                 duration_s)
         text = " ".join(text.split())  # no tabs/newlines: they would break the TSV
         (root / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
         rows.append((f"{name}.{ext}", text, f"spk{i % 3}"))

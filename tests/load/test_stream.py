@@ -244,7 +244,7 @@ def test_shard_content_is_data_not_code(tmp_path):
     canary = tmp_path / "canary"
     canary.write_text("alive")
     evil = f"__import__('os').remove({str(canary)!r})"
-    corpus = make_corpus(tmp_path / "c", [0.5, 0.6, 0.7], text_fn=lambda i: evil)
+    corpus = make_corpus(tmp_path / "c", [3.0, 3.1, 3.2], text_fn=lambda i: evil)  # ~3 s: a path-long transcript is speakable
     pack(PackConfig(input=str(corpus), output=str(tmp_path / "ds"), workers=1, progress=False))
     batches, _, _ = run(str(tmp_path / "ds"))
     assert [t for b in batches for t in b[3]] == [evil] * 3
