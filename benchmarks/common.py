@@ -123,16 +123,24 @@ def presigned_urls(s3, bucket: str, keys: Sequence[str], expires_s: int = 6 * 36
 
 
 # ---------------------------------------------------------------------------------------------- isolated runs
+def subprocess_env(extra: dict | None = None) -> dict:
+    """The environment for a child interpreter that imports `benchmarks.*`: this repository last on PYTHONPATH."""
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
+    return env
+
+
 def run_isolated(script: str, func: str, kwargs: dict, *, env: dict | None = None, timeout_s: float = 900,
                  cwd: str | None = None) -> dict:
-    """Run `func(**kwargs)` of benchmarks/<script>.py in a fresh interpreter and return its dict result.
+    """Run `func(**kwargs)` of benchmarks.<script> in a fresh interpreter and return its dict result.
 
     `cwd`: where it runs (default the repository). `python -c` puts the working folder first on sys.path, ahead
-    of PYTHONPATH: to import another checkout's `shardtrain`, run in that checkout."""
-    code = (f"import sys, json; sys.path.insert(0, {str(BENCH_DIR)!r}); import {script} as m; "
+    of PYTHONPATH: to import another checkout's `shardtrain`, run in that checkout. This repository is appended
+    to PYTHONPATH so `benchmarks` imports there too (a checkout with its own `benchmarks` package runs its own)."""
+    code = (f"import sys, json; import benchmarks.{script} as m; "
             f"r = m.{func}(**json.loads(sys.argv[1])); print('@@RESULT@@' + json.dumps(r))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout_s, cwd=cwd or str(REPO))
+                          env=subprocess_env(env), timeout=timeout_s, cwd=cwd or str(REPO))
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("@@RESULT@@"):
             return json.loads(line[len("@@RESULT@@"):])

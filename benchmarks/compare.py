@@ -18,21 +18,18 @@ get presigned http URLs of the same objects (webdataset's curl handler; lhotse v
 utterances x 3 tools x 2 storages x 5 runs take ~5 min on 2 quiet cores once the inputs are cached; the first
 run adds ~2 min of espeak-ng, ~1 min of packing and ~1-2 min of Shar export. Run:
 
-    .venv/bin/python benchmarks/compare.py                    # the full comparison (< 15 min on 2 cores)
-    .venv/bin/python benchmarks/compare.py --quick            # 400 utterances, 1 run each, smoke test
+    .venv/bin/python -m benchmarks.compare                    # the full comparison (< 15 min on 2 cores)
+    .venv/bin/python -m benchmarks.compare --quick            # 400 utterances, 1 run each, smoke test
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_loader  # noqa: E402
-import common  # noqa: E402
+from benchmarks import bench_loader, common
 
 log = logging.getLogger("bench")
 TOOLS = ["shardtrain", "webdataset", "lhotse"]

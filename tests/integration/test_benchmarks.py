@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--utterances", "120",
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--quick", "--utterances", "120",
            "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "compare.json").read_text())
     n = result["dataset"]["samples"]
@@ -43,9 +43,9 @@ def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
 
 
 def test_bench_decode_compares_the_decoders(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--utterances", "60", "--shards", "1",
+    cmd = [sys.executable, "-m", "benchmarks.bench_decode", "--utterances", "60", "--shards", "1",
            "--repeats", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "bench_decode.json").read_text())
     assert result["members"] > 0 and result["audio_seconds"] > 0
