@@ -172,7 +172,7 @@ def block_epochs(n: int, world_size: int, epochs: int, max_batch_seconds: float,
     """Fresh interpreter: batch variety of the block planner on n synthetic rows (metadata only, all ranks dealt):
     pair repeat rate across consecutive epochs, against a uniform shuffle inside the same buckets split into the
     same number of batches, and against the rows planner (plan_epoch) on the same rows; padding and fill."""
-    from bench_shuffle import padding_stats, repeat_stats
+    from benchmarks.bench_shuffle import padding_stats, repeat_stats
 
     from shardtrain.load.blockplan import block_shape, make_blocks, plan_blocks, rank_batches
     from shardtrain.load.plan import BucketConfig, PlanIndex, plan_epoch

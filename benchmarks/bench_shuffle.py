@@ -251,7 +251,7 @@ def load_index(args: argparse.Namespace):
     from shardtrain.load.plan import PLAN_COLUMNS, PlanIndex
 
     if args.synthetic:
-        import bench_plan_scale
+        from benchmarks import bench_plan_scale
 
         return PlanIndex(**bench_plan_scale.synthetic_columns(args.synthetic, args.seed)), f"synthetic-{args.synthetic}"
     ds = Path(args.dataset) if args.dataset else common.prepare_dataset(

@@ -13,6 +13,7 @@ faults or DataLoader workers. The cost is ~2-4 s of imports per run, outside the
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -90,6 +91,35 @@ def prepare_dataset(work_dir: Path, corpus: Path, *, shard_mb: float = 16.0) -> 
     pack(PackConfig(input=str(corpus), output=str(out), workers=os.cpu_count() or 2, target_shard_mb=shard_mb,
                     progress=False, overwrite=True))
     log.info("packed %s in %.1f s", out, time.perf_counter() - t0)
+    return out
+
+
+def existing_dataset(work_dir: Path, url: str) -> Path:
+    """A dataset the user already packed, as a local folder: a local path as it is; an s3:// (or other remote)
+    URL copied once into work_dir (manifest, its index and its shards, through shardtrain.storage), so every
+    tool reads the same bytes from local disk and from the loopback S3 server. Raises naming the URL when it holds
+    no manifest.json (not a packed dataset)."""
+    from shardtrain.storage import fs as sfs
+
+    if sfs.is_local(url):
+        ds = Path(url.removeprefix("file://")).resolve()
+        if not (ds / "manifest.json").is_file():
+            raise SystemExit(f"--dataset {url}: no manifest.json there; pass a folder written by `shardtrain pack`")
+        return ds
+    out = work_dir / ("given-" + hashlib.sha256(url.encode()).hexdigest()[:12])
+    if (out / "manifest.json").exists():  # written last: marks a complete copy
+        return out
+    if not sfs.exists(sfs.join(url, "manifest.json")):
+        raise SystemExit(f"--dataset {url}: no manifest.json there; pass a dataset written by `shardtrain pack`")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = sfs.read_bytes(sfs.join(url, "manifest.json"))
+    m = json.loads(manifest)
+    names = [m.get("index") or "index.parquet"] + [s["name"] for s in m["shards"]]
+    t0 = time.perf_counter()
+    for name in names:
+        (out / name).write_bytes(sfs.read_bytes(sfs.join(url, name)))
+    (out / "manifest.json").write_bytes(manifest)
+    log.info("copied %s (%d files) to %s in %.1f s", url, len(names) + 1, out, time.perf_counter() - t0)
     return out
 
 
