@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,14 +49,19 @@ class Sizes:
     pipeline: str
     steps: int
     buckets: int
-    memory_mb: float | None  # None: the tune target is the tool's share of device memory
+    memory_mb: float  # the memory target of tune, of the per-bucket peaks and of the OOM part's allocator cap
+    repeats: int  # tuned / single pairs
     bounds_s: dict
+    total_s: float  # every part together: a part gets at most what is left of this
 
 
-GPU = Sizes("cuda", 3000, 64, 15.0, "librispeech_base", 40, 8, None,
-            {"data": 90, "cuda_tests": 60, "augment": 45, "amp_step": 90, "tune": 200, "oom": 60, "onnx": 45})
-DRY = Sizes("cpu", 24, 2, 2.0, "tiny_cpu", 5, 2, 200.0,
-            {"data": 60, "cuda_tests": 60, "augment": 60, "amp_step": 60, "tune": 120, "oom": 60, "onnx": 30})
+# 16 GiB, not the H200's 139: a few thousand utterances fill 16 GiB budgets in every bucket (a 139 GiB budget is
+# larger than a whole bucket of this corpus, so tuned and single would read the same batches), and the steps stay
+# inside the ten minutes; the figure is still the device's own (max_memory_allocated).
+GPU = Sizes("cuda", 3000, 64, 15.0, "librispeech_base", 30, 8, 16384.0, 2,
+            {"data": 90, "cuda_tests": 45, "augment": 45, "amp_step": 90, "tune": 200, "oom": 60, "onnx": 40}, 570)
+DRY = Sizes("cpu", 24, 2, 2.0, "tiny_cpu", 5, 2, 200.0, 1,
+            {"data": 60, "cuda_tests": 60, "augment": 60, "amp_step": 60, "tune": 120, "oom": 60, "onnx": 30}, 400)
 TRAIN_SET = ["train.precision=bf16"]  # bf16 autocast on both devices
 DRY_SET = ["stream.bucket.max_batch_seconds=30", "stream.num_workers=0"]
 GOALS = {"augment": "device batched / CPU per utterance >= 50x", "amp_step": "data wait < 2% of step time",
@@ -65,11 +72,26 @@ CUDA_TESTS = ["tests/train/test_augment.py", "tests/interop/test_interop.py"]
 
 # ---------------------------------------------------------------------------------------------- parts
 def part_data(sizes: dict, work: str) -> dict:
-    from benchmarks.bench_train_rss import dataset
+    """Tones of durations uniform in 2-16 s, synthesised in one process per core, packed (cached in `work`)."""
+    import numpy as np
 
-    t0 = time.perf_counter()
-    ds = dataset(Path(work), sizes["utterances"])
-    return {"dataset": ds, **common.dataset_summary(Path(ds)), "wall_s": round(time.perf_counter() - t0, 1)}
+    from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.testing.corpus import make_corpus
+
+    n, cores = sizes["utterances"], os.cpu_count() or 1
+    ds, corpus = Path(work) / f"gpu-ds-{n}", Path(work) / f"gpu-corpus-{n}"
+    if not (ds / "manifest.json").exists():  # written last: marks a complete pack
+        durs = [float(x) for x in np.random.default_rng(0).uniform(2, 16, n).round(2)]
+        parts = [corpus / f"part{c:02d}" for c in range(min(n, cores))]
+        with ProcessPoolExecutor(len(parts)) as ex:
+            list(ex.map(make_corpus, parts, [durs[c::len(parts)] for c in range(len(parts))]))
+        lines = ["path\ttext\tspeaker"]  # one TSV over the parts (same file names: pack suffixes the keys)
+        for d in parts:
+            lines += [f"{d}/{row}" for row in (d / "manifest.tsv").read_text().splitlines()[1:]]
+        (corpus / "all.tsv").write_text("\n".join(lines) + "\n")
+        pack(PackConfig(input=str(corpus / "all.tsv"), output=str(ds), workers=cores, progress=False,
+                        overwrite=True))
+    return {"dataset": str(ds), **common.dataset_summary(ds)}
 
 
 def part_augment(sizes: dict) -> dict:
@@ -97,7 +119,7 @@ def _train(sizes: dict, ds: str, out: Path, extra: list[str], *, launcher: list[
     from benchmarks.bench_tune import train_run
 
     extra = TRAIN_SET + [f"train.device={sizes['device']}"] + (DRY_SET if sizes["device"] == "cpu" else []) + extra
-    return train_run(ds, out, sizes["steps"], sizes["memory_mb"] or _device_mb(), extra, pipeline=sizes["pipeline"],
+    return train_run(ds, out, sizes["steps"], sizes["memory_mb"], extra, pipeline=sizes["pipeline"],
                      launcher=launcher, timeout_s=timeout_s)
 
 
@@ -124,7 +146,7 @@ def part_tune(sizes: dict, ds: str, out: str, bound_s: float) -> dict:
     single = min(b for _, b in doc["budget_table"])
     target_mb = doc["memory_target_bytes"] / 2**20
     runs: dict[str, list[dict]] = {"tuned": [], "single": []}
-    for i in range(2):
+    for i in range(sizes["repeats"]):
         for name, extra in (("tuned", [f"budget.file={budget}"]),
                             ("single", [f"stream.bucket.max_batch_seconds={single}",
                                         f"stream.bucket.num_buckets={sizes['buckets']}"])):
@@ -231,44 +253,59 @@ def write(result: dict, out_dir: Path) -> Path:
     return path
 
 
-def run_part(result: dict, out_dir: Path, name: str, bound_s: float, kwargs: dict) -> dict | None:
-    """One part in a fresh interpreter, stopped at its bound (+30 s for imports); the files rewritten after it."""
-    t0 = time.perf_counter()
-    try:
-        r = {"status": "ok", **common.run_isolated("gpu_check", f"part_{name}", kwargs, timeout_s=bound_s + 30)}
-    except subprocess.TimeoutExpired:
-        r = {"status": "timeout", "error": f"stopped at its bound of {bound_s + 30:.0f} s"}
-    except Exception as e:  # a failed part is a row of the table, never the end of the check
-        lines = [x for x in str(e).splitlines() if x.strip()]
-        r = {"status": "error", "error": (lines[-1] if lines else type(e).__name__)[:300]}
-    r["wall_s"] = round(time.perf_counter() - t0, 1)
-    result["parts"][name] = r
-    write(result, out_dir)
-    return r if r["status"] == "ok" else None
+ISOLATED = ("data", "augment")
+"""Parts that measure in their own interpreter (run_isolated, stopped at the bound); the others run subprocesses
+with the bound as their timeout, so they need no interpreter of their own."""
+
+
+class Check:
+    """The result so far, its files, and the clock every part's bound is cut to."""
+
+    def __init__(self, sizes: Sizes, out_dir: Path, device_name: str, dry_run: bool):
+        self.sizes, self.out_dir, self.deadline = sizes, out_dir, time.monotonic() + sizes.total_s
+        self.result = {"benchmark": "gpu_check", "git_sha": common.git_sha(), "machine": common.machine(),
+                       "device": device_name, "dry_run": dry_run, "sizes": asdict(sizes), "parts": {}}
+
+    def run(self, name: str, **kwargs) -> dict | None:
+        """One part, stopped at min(its bound, what is left of the total); the files rewritten after it."""
+        t0 = time.perf_counter()
+        bound = min(self.sizes.bounds_s[name], self.deadline - time.monotonic() - 10)
+        try:
+            if bound < 5:
+                raise TimeoutError(f"not started: {max(bound, 0):.0f} s left of the {self.sizes.total_s:.0f} s total")
+            if name in ISOLATED:
+                r = common.run_isolated("gpu_check", f"part_{name}", kwargs, timeout_s=bound)
+            else:
+                r = globals()[f"part_{name}"](**kwargs, bound_s=bound)
+            r = {"status": "ok", **r}
+        except (subprocess.TimeoutExpired, TimeoutError) as e:
+            r = {"status": "timeout", "error": str(e).splitlines()[0][:300]}
+        except Exception as e:  # a failed part is a row of the table, never the end of the check
+            lines = [x for x in str(e).splitlines() if x.strip()]
+            r = {"status": "error", "error": (lines[-1] if lines else type(e).__name__)[:300]}
+        r["wall_s"] = round(time.perf_counter() - t0, 1)
+        self.result["parts"][name] = r
+        write(self.result, self.out_dir)
+        return r if r["status"] == "ok" else None
 
 
 def check(sizes: Sizes, out_dir: Path, work: Path, device_name: str, dry_run: bool) -> Path:
-    result = {"benchmark": "gpu_check", "git_sha": common.git_sha(), "machine": common.machine(),
-              "device": device_name, "dry_run": dry_run, "sizes": asdict(sizes), "parts": {}}
-    sz, b = asdict(sizes), sizes.bounds_s
+    c = Check(sizes, out_dir, device_name, dry_run)
+    sz = asdict(sizes)
     work.mkdir(parents=True, exist_ok=True)
     runs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
-    data = run_part(result, out_dir, "data", b["data"], {"sizes": sz, "work": str(work)})
-    run_part(result, out_dir, "cuda_tests", b["cuda_tests"], {"bound_s": b["cuda_tests"]})
-    run_part(result, out_dir, "augment", b["augment"], {"sizes": sz})
+    data = c.run("data", sizes=sz, work=str(work))
+    c.run("cuda_tests")
+    c.run("augment", sizes=sz)
     if data:
         ds = data["dataset"]
-        amp = run_part(result, out_dir, "amp_step", b["amp_step"],
-                       {"sizes": sz, "ds": ds, "out": str(runs / "amp"), "bound_s": b["amp_step"]})
-        tune = run_part(result, out_dir, "tune", b["tune"],
-                        {"sizes": sz, "ds": ds, "out": str(runs / "tune"), "bound_s": b["tune"]})
+        amp = c.run("amp_step", sizes=sz, ds=ds, out=str(runs / "amp"))
+        tune = c.run("tune", sizes=sz, ds=ds, out=str(runs / "tune"))
         if tune:
-            run_part(result, out_dir, "oom", b["oom"], {"sizes": sz, "ds": ds, "out": str(runs / "oom"),
-                                                        "tune": tune, "bound_s": b["oom"]})
+            c.run("oom", sizes=sz, ds=ds, out=str(runs / "oom"), tune=tune)
         if amp:
-            run_part(result, out_dir, "onnx", b["onnx"],
-                     {"run_dir": str(runs / "amp"), "out": str(runs / "onnx"), "bound_s": b["onnx"]})
-    return write(result, out_dir)
+            c.run("onnx", run_dir=str(runs / "amp"), out=str(runs / "onnx"))
+    return write(c.result, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
