@@ -277,8 +277,10 @@ class Check:
         self.result = {"benchmark": "gpu_check", "git_sha": common.git_sha(), "machine": common.machine(),
                        "device": device_name, "dry_run": dry_run, "sizes": asdict(sizes), "parts": {}}
 
-    def run(self, name: str, **kwargs) -> dict | None:
-        """One part, stopped at min(its bound, what is left of the total); the files rewritten after it."""
+    def run(self, part, **kwargs) -> dict | None:
+        """One part (a part_* function), stopped at min(its bound, what is left of the total); the files
+        rewritten after it."""
+        name = part.__name__.removeprefix("part_")
         t0 = time.perf_counter()
         bound = min(self.sizes.bounds_s[name], self.deadline - time.monotonic() - 10)
         try:
@@ -287,7 +289,7 @@ class Check:
             if name in ISOLATED:
                 r = common.run_isolated("gpu_check", f"part_{name}", kwargs, timeout_s=bound)
             else:
-                r = globals()[f"part_{name}"](**kwargs, bound_s=bound)
+                r = part(**kwargs, bound_s=bound)
             r = {"status": "ok", **r}
         except (subprocess.TimeoutExpired, TimeoutError) as e:
             r = {"status": "timeout", "error": str(e).splitlines()[0][:300]}
@@ -305,17 +307,17 @@ def check(sizes: Sizes, out_dir: Path, work: Path, device_name: str, dry_run: bo
     sz = asdict(sizes)
     work.mkdir(parents=True, exist_ok=True)
     runs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
-    data = c.run("data", sizes=sz, work=str(work))
-    c.run("cuda_tests")
-    c.run("augment", sizes=sz)
+    data = c.run(part_data, sizes=sz, work=str(work))
+    c.run(part_cuda_tests)
+    c.run(part_augment, sizes=sz)
     if data:
         ds = data["dataset"]
-        amp = c.run("amp_step", sizes=sz, ds=ds, out=str(runs / "amp"))
-        tune = c.run("tune", sizes=sz, ds=ds, out=str(runs / "tune"))
+        amp = c.run(part_amp_step, sizes=sz, ds=ds, out=str(runs / "amp"))
+        tune = c.run(part_tune, sizes=sz, ds=ds, out=str(runs / "tune"))
         if tune:
-            c.run("oom", sizes=sz, ds=ds, out=str(runs / "oom"), tune=tune)
+            c.run(part_oom, sizes=sz, ds=ds, out=str(runs / "oom"), tune=tune)
         if amp:
-            c.run("onnx", run_dir=str(runs / "amp"), val_from=data["corpus_part"], out=str(runs / "onnx"))
+            c.run(part_onnx, run_dir=str(runs / "amp"), val_from=data["corpus_part"], out=str(runs / "onnx"))
     return write(c.result, out_dir)
 
 
