@@ -2,8 +2,8 @@
 batched, versus a per-utterance loop through the same ops (what lhotse's cut transforms do: each cut alone),
 in utterance-seconds of audio per second of wall time.
 
-    python benchmarks/bench_augment.py                      # CPU: 16 x 15 s, batched vs per-utterance
-    python benchmarks/bench_augment.py --batch 64 --devices cpu,cuda   # on a GPU machine
+    python -m benchmarks.bench_augment                      # CPU: 16 x 15 s, batched vs per-utterance
+    python -m benchmarks.bench_augment --batch 64 --devices cpu,cuda   # on a GPU machine
 
 Prints one JSON line (git_sha, config, per device: batched and per-utterance audio_s_per_s, ratio) and a table.
 Times are the best of --repeats, batched and per-utterance interleaved (robust to other load on a shared box).
@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 from shardtrain.train.augment import AugmentConfig, DeviceAugment, GainConfig, NoiseConfig, ReverbConfig
 from shardtrain.train.features import FeatureConfig
-
 
 
 def make_batch(batch: int, duration_s: float, rate: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,8 +7,8 @@ on a memfd (format.audio._MemfdDecoder, still the path for WAV/Opus/MP3) runs wi
 libFLAC's output sample by sample; dr_flac (format.audio._DrFlac) reads the bytes where they are and converts in
 blocks. Each is run in threads and as one process per core (the decode-only limit's shape).
 
-    .venv/bin/python benchmarks/bench_decode.py              # members of the bench_loader dataset (cached)
-    .venv/bin/python benchmarks/bench_decode.py --repeats 5
+    .venv/bin/python -m benchmarks.bench_decode              # members of the bench_loader dataset (cached)
+    .venv/bin/python -m benchmarks.bench_decode --repeats 5
 
 The single-thread CPU A/B prices dr_flac against libsndfile on a memfd in thread CPU time (robust to a busy box).
 """
@@ -18,9 +18,7 @@ import argparse
 import io
 import multiprocessing
 import os
-import sys
 import tarfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,8 +26,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 from shardtrain.format import audio
 

@@ -2,9 +2,9 @@
 batch 1 and batched, as real-time factor (wall seconds per audio second; lower is faster) and CER on the demo's
 validation set (espeak-ng speech, seed 1, as scripts/demo.py synthesises it).
 
-    python benchmarks/bench_infer.py                              # trains a tiny model first (~5 min on 2 cores)
-    python benchmarks/bench_infer.py --checkpoint demo_out/run    # the demo's model
-    python benchmarks/bench_infer.py --checkpoint RUN --devices cpu,cuda   # adds PyTorch on the GPU (and ORT CUDA
+    python -m benchmarks.bench_infer                              # trains a tiny model first (~5 min on 2 cores)
+    python -m benchmarks.bench_infer --checkpoint demo_out/run    # the demo's model
+    python -m benchmarks.bench_infer --checkpoint RUN --devices cpu,cuda   # adds PyTorch on the GPU (and ORT CUDA
                                                                            # when onnxruntime-gpu is installed)
 
 Without --checkpoint: synthesises --train-utts utterances (seed 0), packs them and trains tiny_cpu (or --pipeline)
@@ -27,9 +27,8 @@ import numpy as np
 import soundfile as sf
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import DEFAULT_WORK_DIR, git_sha, machine, prepare_corpus  # noqa: E402
+from benchmarks.common import DEFAULT_WORK_DIR, git_sha, machine, prepare_corpus
 from shardtrain.infer.checkpoint_model import load_trained  # noqa: E402
 from shardtrain.infer.export import OnnxRecognizer, export_onnx  # noqa: E402
 from shardtrain.infer.score import Score  # noqa: E402

@@ -5,8 +5,8 @@ ShardMemberIOBackend (installed by open_cutset) that is one ranged read located 
 (a process that never called open_cutset) lhotse's TarAsDirBackend opens the tar and scans its headers up to the
 member, so its cost grows with the samples per shard. Both decode the same bytes with the same lhotse decoder.
 
-    .venv/bin/python benchmarks/bench_interop.py                      # 400 tone samples in one shard
-    .venv/bin/python benchmarks/bench_interop.py --samples 1000 --repeats 3
+    .venv/bin/python -m benchmarks.bench_interop                      # 400 tone samples in one shard
+    .venv/bin/python -m benchmarks.bench_interop --samples 1000 --repeats 3
 """
 from __future__ import annotations
 
@@ -14,13 +14,11 @@ import argparse
 import contextlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import git_sha, json_line, markdown_table  # noqa: E402
+from benchmarks.common import git_sha, json_line, markdown_table
 
 
 def main(args: argparse.Namespace) -> dict:

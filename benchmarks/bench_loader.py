@@ -15,8 +15,8 @@ loader is built, and stops after the last batch of one epoch. webdataset has no 
 presigned http URLs of the same objects and reads them with its own curl handler (its cheapest S3 path).
 All reads hit the page cache after the first run (the same for every tool). Run:
 
-    .venv/bin/python benchmarks/bench_loader.py                 # 4,000 speech utterances, 0/1/2 workers
-    .venv/bin/python benchmarks/bench_loader.py --quick         # 400 utterances, smoke test (~1-2 min)
+    .venv/bin/python -m benchmarks.bench_loader                 # 4,000 speech utterances, 0/1/2 workers
+    .venv/bin/python -m benchmarks.bench_loader --quick         # 400 utterances, smoke test (~1-2 min)
 """
 from __future__ import annotations
 
@@ -25,13 +25,11 @@ import io
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 log = logging.getLogger("bench")
 SAMPLE_RATE_HZ = 16000

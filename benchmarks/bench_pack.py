@@ -20,7 +20,7 @@ CLI run pays it, overlapped with the scan). On a shared machine only the ratios 
 Run (the figures in the README):
 
     PYTHONPATH=$PWD .venv/bin/python -m shardtrain synth /tmp/c3k --n 3000 --layout flat
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_pack.py --corpus /tmp/c3k --workers 2 --repeats 3 \\
+    .venv/bin/python -m benchmarks.bench_pack --corpus /tmp/c3k --workers 2 --repeats 3 \\
         --tools decode-only decode-only-shardtrain shardtrain webdataset shardtrain-nocheck \\
         --out benchmarks/results/bench_pack.json
 """
@@ -39,13 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
 
 
 def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float, decode_check: bool = True,

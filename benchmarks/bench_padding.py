@@ -10,21 +10,18 @@
 
 Padding is deterministic from the plan, so no timing and no repeats are needed. Run:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_padding.py --dataset DS_4K --dataset DS_6K \
+    .venv/bin/python -m benchmarks.bench_padding --dataset DS_4K --dataset DS_6K \
         --uniform 20000,0.5,20,8,300 --uniform 40000,2,16,4,120
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_shuffle  # noqa: E402
-import common  # noqa: E402
+from benchmarks import bench_shuffle, common
 
 log = logging.getLogger("bench")
 

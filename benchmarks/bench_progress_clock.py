@@ -1,7 +1,7 @@
 """What the time-without-progress clock (shardtrain.storage.clock) costs on the loader's hot read path, per MB read,
 against the time to decode that MB of FLAC.
 
-    python benchmarks/bench_progress_clock.py                 # 64 MB object on a local SeaweedFS, 5 rounds
+    python -m benchmarks.bench_progress_clock                 # 64 MB object on a local SeaweedFS, 5 rounds
 
 Method: a real read (storage.iter_range, direct HTTP, from SeaweedFS on loopback) counts how often each clock
 operation runs per MB (socket reads through `_ClockedIO`, pieces held/resumed, requests watched); each operation
@@ -17,16 +17,13 @@ import argparse
 import http.client
 import io
 import os
-import sys
 import tempfile
 import time
 import timeit
 import urllib.parse
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 from shardtrain import storage  # noqa: E402
 from shardtrain.storage import clock as clock_mod  # noqa: E402

@@ -8,8 +8,8 @@
 The peer run is the same command through a wrapper that turns `_bound_malloc_heap` into a no-op, so the only
 difference is the heap setting. Timings are noisy on a shared machine; RSS is what this measures. Run:
 
-    .venv/bin/python benchmarks/bench_train_rss.py                  # 2,000 steps, 20 s batches
-    .venv/bin/python benchmarks/bench_train_rss.py --steps 200 --batch-seconds 60   # the demo's batch size
+    .venv/bin/python -m benchmarks.bench_train_rss                  # 2,000 steps, 20 s batches
+    .venv/bin/python -m benchmarks.bench_train_rss --steps 200 --batch-seconds 60   # the demo's batch size
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_WORK_DIR, REPO, git_sha, markdown_table  # noqa: E402
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, git_sha, markdown_table
 
 WRAPPER = "import sys, shardtrain.cli as c, shardtrain.cli.train as t; {patch}sys.exit(c.main(sys.argv[1:]))"
 

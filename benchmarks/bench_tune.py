@@ -15,8 +15,8 @@ activations saved for backward), measured the same way for both; on CUDA it woul
 (this task had no GPU lent, so the CUDA figures with librispeech_base and bf16 are left for later). Timings on a
 shared machine are noisy: read the ratio of the interleaved runs, not absolute numbers. Run:
 
-    .venv/bin/python benchmarks/bench_tune.py                      # 160 utterances, 4 buckets, 2 x 24 steps
-    .venv/bin/python benchmarks/bench_tune.py --steps 60 --repeats 3 --memory-mb 250
+    .venv/bin/python -m benchmarks.bench_tune                      # 160 utterances, 4 buckets, 2 x 24 steps
+    .venv/bin/python -m benchmarks.bench_tune --steps 60 --repeats 3 --memory-mb 250
 """
 from __future__ import annotations
 
@@ -30,35 +30,41 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train_rss import dataset  # noqa: E402  (tone corpus, durations uniform in 2-16 s, packed once)
-from common import DEFAULT_WORK_DIR, REPO, git_sha, machine, markdown_table  # noqa: E402
+from benchmarks.bench_train_rss import dataset  # (tone corpus, durations uniform in 2-16 s, packed once)
+from benchmarks.common import DEFAULT_WORK_DIR, REPO, git_sha, machine, markdown_table
 
 SETTINGS = ["train.progress=false", "train.tensorboard=false", "train.log_every_steps=1", "train.val_every_steps=0",
             "train.ckpt_every_steps=0", "train.log_keys=true", "train.cpu_threads=1", "budget.adapt=false",
             "train.warmup_steps=10"]
 
 
-def tune_table(ds: str, memory_mb: float, buckets: int, out: Path) -> dict:
+def tune_table(ds: str, memory_mb: float | None, buckets: int, out: Path, *, pipeline: str = "tiny_cpu",
+               device: str = "cpu", extra: list[str] = (), timeout_s: float | None = None) -> dict:
+    """`shardtrain tune` in a fresh process; memory_mb None: the target is the tool's share of device memory."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "shardtrain", "tune", "--data", ds, "--pipeline", "tiny_cpu", "--out", str(out),
-           "--device", "cpu", "--memory-limit-mb", str(memory_mb), "--buckets", str(buckets),
-           "--set", "train.cpu_threads=1"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO,
+    cmd = [sys.executable, "-m", "shardtrain", "tune", "--data", ds, "--pipeline", pipeline, "--out", str(out),
+           "--device", device, "--buckets", str(buckets), "--set", "train.cpu_threads=1"]
+    cmd += ["--memory-limit-mb", str(memory_mb)] if memory_mb is not None else []
+    for s in extra:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO, timeout=timeout_s,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     doc = json.loads(out.read_text())
     doc["wall_s"] = time.perf_counter() - t0
     return doc
 
 
-def train_run(ds: str, out: Path, steps: int, memory_mb: float, extra: list[str]) -> dict:
+def train_run(ds: str, out: Path, steps: int, memory_mb: float, extra: list[str], *, pipeline: str = "tiny_cpu",
+              launcher: list[str] | None = None, timeout_s: float | None = None) -> dict:
+    """`shardtrain train` for `steps` steps in a fresh process (`launcher`: the interpreter command that runs the
+    CLI, default `python -m shardtrain`), read back from its metrics, keys and config."""
     import pyarrow.parquet as pq
 
-    cmd = [sys.executable, "-m", "shardtrain", "train", "--data", ds, "--pipeline", "tiny_cpu", "--max-steps",
-           str(steps), "--out", str(out)]
+    cmd = (launcher or [sys.executable, "-m", "shardtrain"]) + [
+        "train", "--data", ds, "--pipeline", pipeline, "--max-steps", str(steps), "--out", str(out)]
     for s in SETTINGS + [f"budget.memory_limit_mb={memory_mb}"] + extra:
         cmd += ["--set", s]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO,
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO, timeout=timeout_s,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if "loss" in r][2:]  # the first two steps warm up
@@ -82,7 +88,10 @@ def train_run(ds: str, out: Path, steps: int, memory_mb: float, extra: list[str]
             "fill": statistics.mean(sum(batches[r["step"]]) / budget(batches[r["step"]]) for r in steps_rows),
             "padding": 1 - statistics.mean(sum(b) / (len(b) * max(b)) for b in (batches[r["step"]] for r in steps_rows)),
             "peak_mb": max(r.get("mem_peak_mb", 0.0) for r in rows if "loss" in r),
-            "oom_splits": sum(1 for r in rows if r.get("event") == "oom_split")}
+            "oom_splits": sum(1 for r in rows if r.get("event") == "oom_split"),
+            "data_wait_pct": statistics.mean(r["data_wait_pct"] for r in steps_rows),
+            "step_peaks": [[max(batches[r["step"]]), r.get("mem_peak_mb", 0.0)] for r in steps_rows
+                           if r["step"] in batches]}
 
 
 def main() -> None:
@@ -106,7 +115,7 @@ def main() -> None:
                                 ("single", [f"stream.bucket.max_batch_seconds={single}",
                                             f"stream.bucket.num_buckets={args.buckets}"])):
                 runs[name].append(train_run(ds, Path(tmp) / f"{name}{i}", args.steps, args.memory_mb, extra))
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "step_peaks"} for n, rs in runs.items()}
     result = {"bench": "tune", "git": git_sha(), "machine": machine(), "device": "cpu",
               "memory_target_mb": args.memory_mb, "tune_s": doc["tune_s"], "tune_wall_s": round(doc["wall_s"], 1),
               "table": doc["budget_table"], "single_max_batch_seconds": single, "runs": runs, "median": med,

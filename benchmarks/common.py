@@ -13,6 +13,7 @@ faults or DataLoader workers. The cost is ~2-4 s of imports per run, outside the
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -93,6 +94,35 @@ def prepare_dataset(work_dir: Path, corpus: Path, *, shard_mb: float = 16.0) -> 
     return out
 
 
+def existing_dataset(work_dir: Path, url: str) -> Path:
+    """A dataset the user already packed, as a local folder: a local path as it is; an s3:// (or other remote)
+    URL copied once into work_dir (manifest, its index and its shards, through shardtrain.storage), so every
+    tool reads the same bytes from local disk and from the loopback S3 server. Raises naming the URL when it holds
+    no manifest.json (not a packed dataset)."""
+    from shardtrain.storage import fs as sfs
+
+    if sfs.is_local(url):
+        ds = Path(url.removeprefix("file://")).resolve()
+        if not (ds / "manifest.json").is_file():
+            raise SystemExit(f"--dataset {url}: no manifest.json there; pass a folder written by `shardtrain pack`")
+        return ds
+    out = work_dir / ("given-" + hashlib.sha256(url.encode()).hexdigest()[:12])
+    if (out / "manifest.json").exists():  # written last: marks a complete copy
+        return out
+    if not sfs.exists(sfs.join(url, "manifest.json")):
+        raise SystemExit(f"--dataset {url}: no manifest.json there; pass a dataset written by `shardtrain pack`")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = sfs.read_bytes(sfs.join(url, "manifest.json"))
+    m = json.loads(manifest)
+    names = [m.get("index") or "index.parquet"] + [s["name"] for s in m["shards"]]
+    t0 = time.perf_counter()
+    for name in names:
+        (out / name).write_bytes(sfs.read_bytes(sfs.join(url, name)))
+    (out / "manifest.json").write_bytes(manifest)
+    log.info("copied %s (%d files) to %s in %.1f s", url, len(names) + 1, out, time.perf_counter() - t0)
+    return out
+
+
 def dataset_summary(ds: Path) -> dict:
     m = json.loads((ds / "manifest.json").read_text())
     return {"samples": m["totals"]["samples"], "audio_hours": round(m["totals"]["seconds"] / 3600, 3),
@@ -123,16 +153,24 @@ def presigned_urls(s3, bucket: str, keys: Sequence[str], expires_s: int = 6 * 36
 
 
 # ---------------------------------------------------------------------------------------------- isolated runs
+def subprocess_env(extra: dict | None = None) -> dict:
+    """The environment for a child interpreter that imports `benchmarks.*`: this repository last on PYTHONPATH."""
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
+    return env
+
+
 def run_isolated(script: str, func: str, kwargs: dict, *, env: dict | None = None, timeout_s: float = 900,
                  cwd: str | None = None) -> dict:
-    """Run `func(**kwargs)` of benchmarks/<script>.py in a fresh interpreter and return its dict result.
+    """Run `func(**kwargs)` of benchmarks.<script> in a fresh interpreter and return its dict result.
 
     `cwd`: where it runs (default the repository). `python -c` puts the working folder first on sys.path, ahead
-    of PYTHONPATH: to import another checkout's `shardtrain`, run in that checkout."""
-    code = (f"import sys, json; sys.path.insert(0, {str(BENCH_DIR)!r}); import {script} as m; "
+    of PYTHONPATH: to import another checkout's `shardtrain`, run in that checkout. This repository is appended
+    to PYTHONPATH so `benchmarks` imports there too (a checkout with its own `benchmarks` package runs its own)."""
+    code = (f"import sys, json; import benchmarks.{script} as m; "
             f"r = m.{func}(**json.loads(sys.argv[1])); print('@@RESULT@@' + json.dumps(r))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout_s, cwd=cwd or str(REPO))
+                          env=subprocess_env(env), timeout=timeout_s, cwd=cwd or str(REPO))
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("@@RESULT@@"):
             return json.loads(line[len("@@RESULT@@"):])

@@ -18,21 +18,19 @@ get presigned http URLs of the same objects (webdataset's curl handler; lhotse v
 utterances x 3 tools x 2 storages x 5 runs take ~5 min on 2 quiet cores once the inputs are cached; the first
 run adds ~2 min of espeak-ng, ~1 min of packing and ~1-2 min of Shar export. Run:
 
-    .venv/bin/python benchmarks/compare.py                    # the full comparison (< 15 min on 2 cores)
-    .venv/bin/python benchmarks/compare.py --quick            # 400 utterances, 1 run each, smoke test
+    .venv/bin/python -m benchmarks.compare                    # the full comparison (< 15 min on 2 cores)
+    .venv/bin/python -m benchmarks.compare --quick            # 400 utterances, 1 run each, smoke test
+    .venv/bin/python -m benchmarks.compare --dataset s3://bucket/ds --storage local   # a dataset already packed
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_loader  # noqa: E402
-import common  # noqa: E402
+from benchmarks import bench_loader, common
 
 log = logging.getLogger("bench")
 TOOLS = ["shardtrain", "webdataset", "lhotse"]
@@ -130,7 +128,7 @@ def issue_figures(summary: list[dict], limit: dict, ds: Path, args: argparse.Nam
     over the decode-only limit of the same run, over webdataset and lhotse (same workers, same run), padding,
     fill (audio s per batch / max_batch_seconds), first batch, peak RSS, and the pair repeat rate of its plans
     across epochs over a uniform shuffle in 30 fixed equal-audio buckets (planning only, 4 epochs)."""
-    import bench_shuffle
+    from benchmarks import bench_shuffle
 
     from shardtrain.format.manifest import open_dataset
     from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex
@@ -169,21 +167,33 @@ def issue_figures(summary: list[dict], limit: dict, ds: Path, args: argparse.Nam
 
 
 # ---------------------------------------------------------------------------------------------- main
+def inputs(work: Path, args: argparse.Namespace) -> tuple[Path, Path | None, dict]:
+    """(packed dataset, its Lhotse Shar export or None, summary). --dataset measures a dataset the user packed:
+    no source corpus, so no Shar export and lhotse is left out (logged); otherwise the synthetic corpus."""
+    if args.dataset:
+        ds = common.existing_dataset(work, args.dataset)
+        if "lhotse" in args.tools:
+            log.warning("--dataset %s: lhotse needs the source corpus for its Shar export; measuring shardtrain "
+                        "and webdataset against the decode-only limit", args.dataset)
+        return ds, None, common.dataset_summary(ds)
+    corpus = common.prepare_corpus(work, args.utterances, kind=args.corpus, seed=args.seed)
+    ds = common.prepare_dataset(work, corpus, shard_mb=args.shard_mb)
+    info = common.dataset_summary(ds)
+    return ds, prepare_shar(work, corpus, info["shards"]), info
+
+
 def main(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     load_start = os.getloadavg()[0]
-    corpus = common.prepare_corpus(work, args.utterances, kind=args.corpus, seed=args.seed)
-    ds = common.prepare_dataset(work, corpus, shard_mb=args.shard_mb)
-    info = common.dataset_summary(ds)
-    shar = prepare_shar(work, corpus, info["shards"])
+    ds, shar, info = inputs(work, args)
     bs = bench_loader.wds_batch_size(ds, args.max_batch_seconds)
     t_prep = time.perf_counter() - t_all
     log.info("inputs ready in %.1f s: %s; webdataset batch size %d", t_prep, info, bs)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tools = [t for t in TOOLS if t in args.tools]
+    tools = [t for t in TOOLS if t in args.tools and (t != "lhotse" or shar is not None)]
     with open(out_dir / "compare.jsonl", "w") as jsonl:
         targets = bench_loader.Targets(ds, args.storage, work, shar=shar)
         try:
@@ -202,7 +212,7 @@ def main(args: argparse.Namespace) -> dict:
     mach = common.machine()
     load = os.getloadavg()[0]  # how shared the machine was: ratios hold up under load, absolute rates do not
     head = (f"load average {load_start:.1f} at the start, {load:.1f} at the end; "
-            f"{info['samples']} utterances ({args.corpus}, {info['audio_hours']} h, {info['shards']} shards), "
+            f"{info['samples']} utterances ({args.dataset or args.corpus}, {info['audio_hours']} h, {info['shards']} shards), "
             f"{args.workers} workers, max_batch_seconds {args.max_batch_seconds:g} (webdataset batch {bs}), "
             f"median (min-max) of {args.repeats} runs; {mach['cpus']} CPUs "
             f"(effective {limit['effective_cores']}: decode limit / one process); git {sha}")
@@ -227,6 +237,9 @@ def main(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dataset", default=None, metavar="URL",
+                    help="a dataset already packed (local folder or s3://; an s3 one is copied once into --work-dir) "
+                         "instead of the synthetic corpus; lhotse is left out (no source corpus to export)")
     ap.add_argument("--utterances", type=int, default=4000, help="corpus size (>= 4,000 for the issue's figures)")
     ap.add_argument("--corpus", choices=["speech", "tone"], default="speech", help="espeak-ng speech or tones")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers, the same for every tool")

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--utterances", "120",
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--quick", "--utterances", "120",
            "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "compare.json").read_text())
     n = result["dataset"]["samples"]
@@ -43,9 +43,9 @@ def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
 
 
 def test_bench_decode_compares_the_decoders(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--utterances", "60", "--shards", "1",
+    cmd = [sys.executable, "-m", "benchmarks.bench_decode", "--utterances", "60", "--shards", "1",
            "--repeats", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "bench_decode.json").read_text())
     assert result["members"] > 0 and result["audio_seconds"] > 0
@@ -55,3 +55,23 @@ def test_bench_decode_compares_the_decoders(tmp_path):
     cpu = result["cpu_ab"]  # dr_flac against libsndfile, measured in thread CPU time
     assert cpu["dr_flac"] > 0 and cpu["libsndfile"] > 0
     assert cpu["dr_flac_vs_libsndfile"] == cpu["dr_flac"] / cpu["libsndfile"]
+
+
+def test_compare_measures_a_dataset_already_packed(tone_corpus, tmp_path):
+    """--dataset: the loader and webdataset on the user's packed dataset (no corpus, so no lhotse), every sample read."""
+    from conftest import pack_subset
+
+    ds = pack_subset(tone_corpus, tmp_path / "given", 8)
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--dataset", ds, "--storage", "local", "--repeats", "1",
+           "--workers", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "lhotse needs the source corpus" in res.stderr
+    result = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert result["dataset"]["samples"] == 8
+    assert {r["tool"] for r in result["rows"]} == {"shardtrain", "webdataset"}
+    runs = [json.loads(line) for line in (tmp_path / "out" / "compare.jsonl").read_text().splitlines()]
+    assert all(r["samples"] == 8 for r in runs if r["tool"] in ("shardtrain", "webdataset"))
+    res = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--dataset", str(tmp_path / "nothing")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode != 0 and "no manifest.json there" in res.stderr
