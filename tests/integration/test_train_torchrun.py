@@ -99,3 +99,19 @@ def test_empty_batch_on_one_rank_does_not_hang(data, tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["skipped"] >= 1
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_both_and_they_stay_in_step(data, tmp_path):
+    """Rank 1's loss turns NaN on its 3rd forward (tests/train/nanmodel.py): both ranks skip that optimiser step
+    (the weights each sees at its 4th forward are those of its 3rd), hold the same weights throughout, and the
+    run finishes with the skip counted."""
+    here = Path(__file__).resolve().parent.parent / "train"
+    res = run_ok(train_cmd(2, data, tmp_path / "run", "model.factory=nanmodel:build"),
+                 NAN_AT="3", NAN_RANK="1", NAN_LOG=str(tmp_path / "w"),
+                 PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["step"] == STEPS and result["nonfinite_steps"] == 1
+    logs = [[json.loads(x)["weights"] for x in Path(f"{tmp_path / 'w'}.rank{r}").read_text().splitlines()]
+            for r in (0, 1)]
+    assert logs[0] == logs[1]  # the same weights on both ranks at every forward
+    assert logs[0][2] == logs[0][3] and logs[0][1] != logs[0][2]
