@@ -154,3 +154,22 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_why(six_utts, small_di
     state = ckpt.load_checkpoint(out / "checkpoints/step_000002", rank=0, world_size=1)
     assert int(state["main"]["step"]) == 2 and isinstance(state["model"], dict) and torch.is_tensor(
         next(iter(state["model"].values())))
+
+
+def test_first_ctrl_c_sets_the_flag_and_a_second_raises_at_once():
+    from shardtrain.train.preempt import Preemption, parse_signals
+
+    pre = Preemption(parse_signals("TERM,USR1")).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # real signals: Python runs the handler at the next bytecode
+        time.sleep(0.05)
+        assert pre.signum == signal.SIGINT and pre.name() == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # a later signal keeps the first one's name and time
+        time.sleep(0.05)
+        assert pre.name() == "SIGINT"
+    finally:
+        pre.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
