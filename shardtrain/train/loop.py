@@ -418,7 +418,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             t_pause = time.perf_counter()
             if _must_stop(pre, lease, comm):  # every rank, at this same step
                 return _preempted(cfg, run, world, device, comm, ckpt_dir, last, closed, storage_options, pre,
-                                  metrics)
+                                  metrics, step_s=t_pause - t0)
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
             _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, closed, storage_options,
                               metrics=metrics)
@@ -539,13 +539,15 @@ def _must_stop(pre: Preemption, lease: runfiles.RunLease | None, comm: Collectiv
 
 def _preempted(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
                ckpt_dir: Path | str, last: dict, closed: ClosedLoop, storage_options: dict | None,
-               pre: Preemption, metrics: MetricsLogger) -> dict:
-    """Checkpoint this step on every rank (a failure raises: there is no later chance), log the delay."""
+               pre: Preemption, metrics: MetricsLogger, step_s: float) -> dict:
+    """Checkpoint this step on every rank (a failure raises: there is no later chance), log the delay next to
+    the step's duration (`step_s`: the bound is one step plus the write)."""
     t0 = time.time()
     _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, None, last, closed, storage_options, force=True)
     done = time.time()
     row = {"step": run.step, "event": "preempted", "signal": pre.name(),
-           "preempt_s": round(done - (pre.t_signal or t0), 3), "checkpoint_s": round(done - t0, 3)}
+           "preempt_s": round(done - (pre.t_signal or t0), 3), "checkpoint_s": round(done - t0, 3),
+           "step_s": round(step_s, 3)}
     metrics.log(row)
     log.warning("step %d: %s received; checkpoint %s committed %.2f s after the signal (write %.2f s); "
                 "exiting to be resumed with --resume", run.step, row["signal"], last.get("checkpoint"),
