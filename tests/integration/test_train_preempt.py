@@ -60,6 +60,18 @@ def rank_pid(agent: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under {agent}")
 
 
+def step_processes(shell: int) -> list[int]:
+    """Every process of the session `shell` leads, except the shell itself."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int(p.name) != shell and os.getsid(int(p.name)) == shell:
+                pids.append(int(p.name))
+        except OSError:
+            continue
+    return pids
+
+
 def preempted_row(out: Path) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     (row,) = [r for r in rows if r.get("event") == "preempted"]
@@ -186,3 +198,40 @@ def test_two_trainers_racing_for_one_out_one_is_refused_naming_the_holder(data, 
     assert codes == [0, 1], [e[-1500:] for _, e in results]
     err = [e for c, e in results if c == 1][0].strip().splitlines()[-1]
     assert err.startswith("train: error: ") and "is locked by another trainer: pid " in err and "on host" in err
+
+
+def test_slurm_recipe_saves_on_sigterm_requeues_and_the_requeued_job_finishes(data, tmp_path):
+    """scripts/slurm_train.sbatch as it is, on one "node": srun and scontrol are the only stand-ins (no SLURM
+    here); srun runs its command, scontrol names this host and records the requeue."""
+    repo = Path(__file__).resolve().parents[2]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/usr/bin/env bash\nshift\nexec \"$@\"\n")
+    (bin_dir / "scontrol").write_text(f"#!/usr/bin/env bash\nif [ \"$1\" = show ]; then echo 127.0.0.1; "
+                                      f"else echo \"$@\" >> {tmp_path / 'requeued'}; fi\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1",
+           "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(repo), "NPROC": "2", "PIPELINE": "tiny_cpu",
+           "RDZV_PORT": str(port), "PYTHON": sys.executable}
+    out = tmp_path / "run"
+    args = [a for a in train_args(data, str(out))[3:] if a not in ("--pipeline", "tiny_cpu")]  # PIPELINE names it
+    proc = subprocess.Popen(["bash", str(repo / "scripts/slurm_train.sbatch"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_step(out / "metrics.jsonl", 2, proc)
+    for pid in step_processes(proc.pid):  # SLURM signals every process of the step, not the batch shell
+        os.kill(pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
+    stopped = preempted_row(out)["step"]
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [stopped]
+    args[args.index("--max-steps") + 1] = str(stopped + 2)
+    res = subprocess.run(["bash", str(repo / "scripts/slurm_train.sbatch"), *args],
+                         env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step_{stopped:06d}'}" in res.stderr
+    assert (tmp_path / "requeued").read_text().count("requeue") == 1
