@@ -59,7 +59,7 @@ from shardtrain.train.closedloop import ClosedLoop, table_of, with_table
 from shardtrain.train.memory import MemoryMeter, total_bytes
 from shardtrain.train.update import SplitLevels, broadcast_params, optimiser_step
 from shardtrain.train.evaluate import evaluate, metrics_row
-from shardtrain.train.metrics import MetricsLogger
+from shardtrain.train.metrics import MetricsLogger, redone_after
 from shardtrain.train.model import build_model, num_parameters
 from shardtrain.train.overrides import to_dict
 from shardtrain.train.qat import enable_qat
@@ -339,6 +339,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     comm = Collectives(world, device)
     cfg, run, out, ckpt_dir, closed = _prepare(cfg, world, device, resume, storage_options, comm)
     tc = cfg.train
+    redone = redone_after(out / "metrics.jsonl", run.step) if world.is_main else None  # before the truncation
     metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
     if run.resized is not None:
         metrics.log(run.resized.row(run.step))
@@ -346,7 +347,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     # an endless stream, asked for explicitly (a default StreamConfig runs one epoch): max_steps ends training
     loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=replace(cfg.stream, epochs=None),
                           state=run.loader_state, storage_options=storage_options)
-    run.ledger = _start_ledger(tc, run, out, world, comm, storage_options) if tc.ledger else None
+    run.ledger = _start_ledger(tc, run, out, world, comm, storage_options, redone) if tc.ledger else None
     batches = iter(loader)
     augmenters = Augmenters(cfg, device)
     bar = tqdm(total=tc.max_steps, initial=run.step, dynamic_ncols=True,
@@ -486,7 +487,7 @@ class _Interval:
         loss_g, audio_g, skipped_g = comm.sum([self.loss, self.audio_s, skipped])
         elapsed = max(time.perf_counter() - self.t0 - self.pause_s, 1e-9)
         row = {"step": run.step, "loss": loss_g / max(self.tokens, 1.0), "lr": run.scheduler.get_last_lr()[0],
-               "audio_s_per_s": audio_g / elapsed, "data_wait_pct": 100.0 * self.wait_s / elapsed,
+               "audio_s": round(audio_g, 3), "audio_s_per_s": audio_g / elapsed, "data_wait_pct": 100.0 * self.wait_s / elapsed,
                "skipped": int(skipped_g), "epoch": epoch}
         if device.type == "cuda":
             row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -610,7 +611,7 @@ def _save(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: C
 
 
 def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
-                  storage_options: dict | None) -> LedgerWriter:
+                  storage_options: dict | None, redone: dict | None) -> LedgerWriter:
     """This rank's ledger for the attempt starting at run.step; the attempt is named by rank 0's clock."""
     t_ms = int(comm.sum([time.time() * 1000.0 if world.is_main else 0.0])[0])
     sources = data_sources(tc)
@@ -618,5 +619,5 @@ def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
     ledger = LedgerWriter(out, rank=world.rank, attempt=attempt_id(run.step, t_ms),
                           remote=tc.out_dir if ckpt.is_remote(tc.out_dir) else None, storage_options=storage_options)
     if world.is_main:
-        ledger.start(start_step=run.step, world_size=world.world_size, datasets=datasets)
+        ledger.start(start_step=run.step, world_size=world.world_size, datasets=datasets, redone=redone)
     return ledger

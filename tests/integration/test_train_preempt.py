@@ -117,7 +117,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_then_resume_is_exactly
     assert res.returncode == 0, res.stderr[-3000:]
     rep = ledger(out)
     assert [(a["start_step"], a["world_size"]) for a in rep["attempts"]] == [(0, 2), (stopped, 1)]
-    assert rep["replaced"] == []  # nothing trained twice: the preemption wasted no step
+    assert rep["replaced"] == [] and rep["redone"] == {"steps": 0, "audio_s": 0}  # none wasted
     e0 = rep["epochs"][0]
     assert e0["complete"] and e0["exactly_once"] and e0["datasets"][0]["once"] == 12
 
