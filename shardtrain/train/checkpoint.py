@@ -26,6 +26,14 @@ cursors. A checkpoint without `rank_files` (older) counts the files of ranks bel
 Local mirror: with an `s3://` --out, run files are written to a private folder of this user
 (`run_mirror(out_dir)`: <tempdir>/shardtrain-<uid>/runs/<name>-<digest>, storage.private) and copied up.
 
+Failures: each save stage (create, write, commit) ends in an all-reduce of "did any rank fail" (`agree`), so a
+rank that cannot write (disk full, read-only, storage refused) makes every rank raise CheckpointWriteError, one
+line naming the step, the rank, the cause (torch.save reports a full disk as "unexpected pos"; statvfs names it)
+and the checkpoint that stays the latest; the temp folder is removed. What the trainer then does is its policy
+(loop.py: a periodic save may fail twice in a row, a final or preemption save stops the run). On load,
+load_newest_intact names a truncated or corrupt newest checkpoint and falls back to the newest one every rank
+reads; explain_mismatch turns a model that does not fit its checkpoint into one line of fields and shapes.
+
 Retention: the newest `keep_last` plus the one with the lowest validation loss.
 Loading uses `torch.load(weights_only=True)`: nothing but tensors and plain containers is unpickled.
 """

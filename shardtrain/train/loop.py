@@ -25,6 +25,9 @@ credentials or a missing shard raise StreamError from the loader: the run stops,
 Resume is bit-exact on CPU: the loader state of the last consumed batch, the torch RNG state of every rank,
 model, optimiser, scheduler and scaler are restored, and augmentation randomness depends only on
 (seed, epoch, step, rank).
+A cluster's run: SIGTERM/SIGUSR1/Ctrl-C stop every rank at the same step with a checkpoint (preempt.py; the CLI
+exits 75); rank 0 holds the run folder's lease while training (runfiles.RunLease); a failed periodic checkpoint is
+logged in one line and training goes on (MAX_CKPT_FAILURES), a failed final or preemption checkpoint stops it.
 """
 from __future__ import annotations
 
