@@ -25,21 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_train_rss import dataset  # the same cached tone corpus (2-16 s utterances)
 from benchmarks.common import DEFAULT_WORK_DIR, git_sha, markdown_table, summarize
-
-
-def dataset(work: Path, n: int) -> str:
-    import numpy as np
-
-    from shardtrain.pack.packer import PackConfig, pack
-    from shardtrain.testing.corpus import make_corpus
-
-    ds = work / f"preempt-ds-{n}"
-    if not (ds / "manifest.json").exists():
-        durs = [float(x) for x in np.random.default_rng(0).uniform(2, 16, n).round(2)]
-        make_corpus(work / f"preempt-corpus-{n}", durs, seed=0)
-        pack(PackConfig(input=str(work / f"preempt-corpus-{n}"), output=str(ds), workers=1, progress=False))
-    return str(ds)
 
 
 def one_run(ds: str, out: str, signal_step: int, so: dict | None, env: dict) -> dict:
