@@ -81,7 +81,7 @@ def _cmd_train(args) -> int:
                        storage_options=_parse_storage_options(args.storage_option) or None)
     except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
         raise SystemExit(f"train: {e}") from None
-    except (*_run_errors(), LockHeld) as e:  # storage, bad dataset or resume state, --out held: one line per rank
+    except _run_errors() + (LockHeld,) as e:  # storage, bad dataset or resume state, --out held: one line per rank
         return report_error("train", e, f" (rank {world.rank})" if world.world_size > 1 else "")
     if world.is_main:
         print(json.dumps(result, sort_keys=True))

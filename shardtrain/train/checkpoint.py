@@ -175,7 +175,10 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
     `agree(failed) -> any rank failed` (an all-reduce; a barrier and this rank's own flag when None) makes a failure
     on one rank a failure on all: every rank raises CheckpointWriteError (one line: step, rank, cause), the temp
     files are removed and the previous checkpoint stays the latest."""
-    agree = agree or (lambda bad: (barrier(), bad)[1])
+    if agree is None:
+        def agree(bad: bool) -> bool:  # one process, or a caller without an all-reduce: this rank's own flag
+            barrier()
+            return bad
     if is_remote(ckpt_dir):
         return _save_remote(str(ckpt_dir), step=step, rank=rank, world_size=world_size, agree=agree,
                             rank_state=rank_state, main_state=main_state, model_state=model_state, meta=meta,
