@@ -420,7 +420,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
                 last.update(_log_interval(run, meter, loader, comm, micro[-1][0].epoch, device, metrics, bar,
                                           world, tc.max_steps))
             t_pause = time.perf_counter()
-            if _must_stop(pre, lease, comm):  # every rank, at this same step
+            if run.step < tc.max_steps and _must_stop(pre, lease, comm):  # every rank, at this same step
                 return _preempted(cfg, run, world, device, comm, ckpt_dir, last, closed, storage_options, pre,
                                   metrics, step_s=t_pause - t0)
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
