@@ -73,6 +73,7 @@ def _cmd_ledger(args) -> int:
         "run": args.run, "attempts": [{"attempt": a.attempt, "start_step": a.start_step, "world_size": a.world_size}
                                       for a in history.attempts],
         "steps": int(history.step.max()) if len(history.step) else 0, "replaced": history.cut,
+        "redone": {k: round(sum(float(a.redone.get(k, 0)) for a in history.attempts), 2) for k in ("steps", "audio_s")},
         "epochs": [{"epoch": e.epoch, "complete": e.complete, "steps": e.steps, "exactly_once": not e.broken,
                     "datasets": [vars(d) for d in e.datasets]} for e in epochs],
         "keys": seen}
@@ -96,6 +97,8 @@ def _print_report(r: dict) -> None:
           ", ".join(f"from step {a['start_step']} on {a['world_size']} rank(s)" for a in r["attempts"]))
     for line in r["replaced"]:
         print(f"  {line}")
+    print(f"wasted by interruptions: {r['redone']['steps']:.0f} steps, {r['redone']['audio_s']:.1f} audio-s trained "
+          "again (a preemption that saved its step wastes none)")
     print(f"{'epoch':>5} {'state':>10} {'steps':>6}  {'dataset':<32} {'planned':>8} {'trained':>8} {'once':>8} "
           f"{'never':>7} {'>1':>6} {'over plan':>9} {'share':>6} {'weight':>6}")
     for e in r["epochs"]:

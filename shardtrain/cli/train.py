@@ -11,7 +11,15 @@ from shardtrain.cli.common import _CREDS_HELP, _bound_malloc_heap, _parse_storag
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model (one process or under torchrun)",
                        description="Train a CTC recogniser on streamed shards. Under torchrun, rank and world size "
-                                   "come from its environment; on a torchrun restart the run resumes by itself.")
+                                   "come from its environment; on a torchrun restart the run resumes by itself. "
+                                   "Preemption: SIGTERM or SIGUSR1 (--set train.preempt_signals=..., '' = off) or a "
+                                   "first Ctrl-C stops every rank at the next step with a checkpoint, then exits 75; "
+                                   "resume with --resume (a second Ctrl-C exits at once, 130). One trainer per --out: "
+                                   "a second is refused (exit 1) naming the holder of --out/_train.lease.",
+                       epilog="exit status: 0 done; 75 preempted (checkpoint committed: requeue and --resume); 1 "
+                              "runtime failure (storage, checkpoint write failed, --out held by another trainer); "
+                              "2 usage or invalid input (flags, a checkpoint that does not fit the config); 130 "
+                              "interrupted by a second Ctrl-C")
     p.add_argument("--data", required=True, action="append",
                    help="training dataset URL (path, file://, s3://); repeat it to train on a weighted mixture")
     p.add_argument("--weight", type=float, action="append", default=[],
@@ -46,7 +54,9 @@ def _cmd_train(args) -> int:
 
     from pipelines import load_pipeline
     from shardtrain.train.overrides import apply_overrides
+    from shardtrain.storage.lock import LockHeld
     from shardtrain.train.loop import train
+    from shardtrain.train.preempt import EXIT_PREEMPTED
     from shardtrain.world import World
 
     world = World.from_env()
@@ -71,11 +81,11 @@ def _cmd_train(args) -> int:
                        storage_options=_parse_storage_options(args.storage_option) or None)
     except ValueError as e:  # configuration problems: one line naming the flag, not a traceback per rank
         raise SystemExit(f"train: {e}") from None
-    except _run_errors() as e:  # storage refused/unreachable, bad dataset or resume state: one line per rank
+    except _run_errors() + (LockHeld,) as e:  # storage, bad dataset or resume state, --out held: one line per rank
         return report_error("train", e, f" (rank {world.rank})" if world.world_size > 1 else "")
     if world.is_main:
         print(json.dumps(result, sort_keys=True))
-    return 0
+    return EXIT_PREEMPTED if result.get("preempted") else 0
 
 
 def _val_fields(values: list[str]) -> dict:

@@ -21,7 +21,12 @@ Why an object and not flock: the output is often an S3 prefix, where only the ob
   the one primitive both SeaweedFS and AWS honour, and the claim needs nothing else. A claim left by a process
   killed mid-takeover blocks takeovers of that one stale lock; the message names both objects to delete.
   A lock left by a crash on another host must be removed by hand (the message says which object).
-Costs: one small write and one read (two requests on S3) to acquire, one delete to release.
+- Leases (`ttl_s`, the trainer's `--out/_train.lease`): the holder also records `expires_unix` and renews it
+  (`OutputLock.renew`, every ttl/3 from a thread of the trainer); a lease past its expiry is stale on any host, so
+  a requeued job on another node takes over a dead holder's lease by the same claim as above after at most ttl_s.
+  The hosts' clocks must agree to well within ttl_s (NTP); a holder that finds its lease taken over stops.
+Costs: one small write and one read (two requests on S3) to acquire, one delete to release, a read and a write
+per renewal.
 """
 from __future__ import annotations
 
@@ -38,10 +43,15 @@ from shardtrain.storage import fs as _fs
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "_pack.lock"
+LEASE_NAME = "_train.lease"
 
 
 class LockHeld(RuntimeError):
     """Another process holds the lock; the message names it (host, pid, start time) and the lock's URL."""
+
+
+class LeaseLost(RuntimeError):
+    """The lease was taken over by another process (it had expired: this one stalled past ttl_s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,17 @@ class OutputLock:
     """The lock object's URL."""
     token: str
     storage_options: dict | None = field(default=None, repr=False)  # may hold keys: never in a repr
+    info: dict = field(default_factory=dict, repr=False)
+    """What the holder wrote (host, pid, purpose, token, time_utc, ttl_s); renew() refreshes its expiry."""
+
+    def renew(self) -> None:
+        """Push a lease's expiry ttl_s ahead; LeaseLost when another process holds it now."""
+        holder = _read_holder(self.url, self.storage_options)
+        if holder is None or holder.get("token") != self.token:
+            raise LeaseLost(f"{self.url} is now held by {describe(holder)}: this process's lease expired "
+                            "(stalled longer than its ttl) and was taken over; stopping")
+        info = {**self.info, "expires_unix": time.time() + float(self.info.get("ttl_s", 0))}
+        _fs.atomic_write_bytes(self.url, json.dumps(info, sort_keys=True).encode(), self.storage_options)
 
     def release(self) -> None:
         """Delete the lock if it is still ours (a lock taken over meanwhile is left to its new holder)."""
@@ -71,28 +92,35 @@ def describe(holder: dict | None) -> str:
     return f"pid {holder.get('pid')!r} on host {holder.get('host')!r}, since {holder.get('time_utc')!r}"
 
 
-def acquire_lock(dir_url: str, storage_options: dict | None = None, *, purpose: str = "pack") -> OutputLock:
-    """Create `dir_url/_pack.lock` exclusively or raise LockHeld naming the holder."""
-    url = _fs.join(dir_url, LOCK_NAME)
+def acquire_lock(dir_url: str, storage_options: dict | None = None, *, purpose: str = "pack",
+                 name: str = LOCK_NAME, ttl_s: float | None = None) -> OutputLock:
+    """Create `dir_url/<name>` exclusively or raise LockHeld naming the holder. With `ttl_s` it is a lease:
+    it expires ttl_s after its last renew() and is then taken over by the next caller (module docstring)."""
+    url = _fs.join(dir_url, name)
     token = uuid.uuid4().hex
     info = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose, "token": token,
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if ttl_s is not None:
+        info.update(ttl_s=float(ttl_s), expires_unix=time.time() + float(ttl_s))
     data = json.dumps(info, sort_keys=True).encode()
     for _ in range(3):
         if _create_exclusive(url, data, storage_options):
             holder = _read_holder(url, storage_options)
             if holder is not None and holder.get("token") == token:
-                return OutputLock(url=url, token=token, storage_options=storage_options)
+                return OutputLock(url=url, token=token, storage_options=storage_options, info=info)
             # the server let a second writer replace our lock object: that writer holds it
         else:
             holder = _read_holder(url, storage_options)
             if holder is None and not _fs.exists(url, storage_options):
                 continue  # released between our create and our read: try again
         if _stale(holder) and _take_over(url, holder, data, token, storage_options):
-            return OutputLock(url=url, token=token, storage_options=storage_options)
+            return OutputLock(url=url, token=token, storage_options=storage_options, info=info)
         holder = _read_holder(url, storage_options) or holder
         break
     claim = f" (and {_claim_url(url, holder)}, if it exists)" if _stale(holder) else ""
+    exp = (holder or {}).get("expires_unix")
+    if isinstance(exp, (int, float)):
+        claim += f"; its lease expires in {max(0.0, exp - time.time()):.0f} s unless renewed"
     raise LockHeld(f"{dir_url} is locked by another {purpose}: {describe(holder)} holds {url}. Wait for it to "
                    f"finish; if no such process runs any more, delete {url}{claim} and re-run")
 
@@ -112,7 +140,8 @@ def _take_over(url: str, stale: dict | None, data: bytes, token: str, storage_op
         now = _read_holder(url, storage_options)
         if now is not None and now.get("token") != stale.get("token"):
             return False  # replaced meanwhile (released by hand and taken afresh): not ours to overwrite
-        log.warning("taking over the stale lock %s of %s (that process is gone)", url, describe(stale))
+        why = "its lease expired" if _expired(stale) else "that process is gone"
+        log.warning("taking over the stale lock %s of %s (%s)", url, describe(stale), why)
         _fs.atomic_write_bytes(url, data, storage_options)
         now = _read_holder(url, storage_options)
         return now is not None and now.get("token") == token
@@ -160,8 +189,15 @@ def _read_holder(url: str, storage_options: dict | None) -> dict | None:
     return holder if isinstance(holder, dict) else None
 
 
+def _expired(holder: dict | None) -> bool:
+    exp = (holder or {}).get("expires_unix")
+    return isinstance(exp, (int, float)) and exp < time.time()
+
+
 def _stale(holder: dict | None) -> bool:
-    """A lock of a process on this host that no longer runs."""
+    """A lease past its expiry, or a lock of a process on this host that no longer runs."""
+    if _expired(holder):
+        return True
     if not holder or holder.get("host") != socket.gethostname() or type(holder.get("pid")) is not int:
         return False
     try:

@@ -26,6 +26,14 @@ cursors. A checkpoint without `rank_files` (older) counts the files of ranks bel
 Local mirror: with an `s3://` --out, run files are written to a private folder of this user
 (`run_mirror(out_dir)`: <tempdir>/shardtrain-<uid>/runs/<name>-<digest>, storage.private) and copied up.
 
+Failures: each save stage (create, write, commit) ends in an all-reduce of "did any rank fail" (`agree`), so a
+rank that cannot write (disk full, read-only, storage refused) makes every rank raise CheckpointWriteError, one
+line naming the step, the rank, the cause (torch.save reports a full disk as "unexpected pos"; statvfs names it)
+and the checkpoint that stays the latest; the temp folder is removed. What the trainer then does is its policy
+(loop.py: a periodic save may fail twice in a row, a final or preemption save stops the run). On load,
+load_newest_intact names a truncated or corrupt newest checkpoint and falls back to the newest one every rank
+reads; explain_mismatch turns a model that does not fit its checkpoint into one line of fields and shapes.
+
 Retention: the newest `keep_last` plus the one with the lowest validation loss.
 Loading uses `torch.load(weights_only=True)`: nothing but tensors and plain containers is unpickled.
 """
@@ -36,6 +44,7 @@ import json
 import logging
 import os
 import io
+import pickle
 import re
 import shutil
 import tempfile
@@ -123,50 +132,114 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike, storage_options: dict | None 
     return ckpts[-1][1] if ckpts else None
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, read-only, storage refused); the previous one is still the
+    latest. The message is one line naming the step, the rank and the cause."""
+
+
+def _why(e: BaseException, where: Path) -> str:
+    """The cause of a failed local write in words: torch.save reports a full disk as `unexpected pos ...`."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} ({where})"
+    try:
+        st = os.statvfs(where if where.exists() else where.parent)
+    except OSError:
+        st = None
+    if st is not None and st.f_flag & os.ST_RDONLY:
+        return f"read-only filesystem ({where})"
+    if st is not None and st.f_bavail * st.f_frsize < 64 * 2**20:
+        return f"disk full: {st.f_bavail * st.f_frsize / 2**20:.1f} MB free on the filesystem of {where}"
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{type(e).__name__}: {first[:200]} ({where})"
+
+
+def _stage(agree: Callable[[bool], bool], fn: Callable[[], None], where: Path) -> str | None:
+    """Run this rank's part of a save stage, then agree over ranks whether every rank succeeded. -> this rank's
+    error in words, "another rank" when only another rank failed, None when all succeeded."""
+    why = None
+    try:
+        fn()
+    except (OSError, RuntimeError) as e:
+        why = _why(e, where)
+    if agree(why is not None):
+        return why or "another rank failed to write its part (see its log line)"
+    return None
+
+
 def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_size: int,
                     barrier: Callable[[], None], rank_state: dict, main_state: dict | None,
                     model_state: dict | None, meta: dict, keep_last: int,
-                    storage_options: dict | None = None) -> Path:
-    """Collective: every rank calls it with its `rank_state`; rank 0 also passes model/main state and meta."""
+                    storage_options: dict | None = None, agree: Callable[[bool], bool] | None = None) -> Path:
+    """Collective: every rank calls it with its `rank_state`; rank 0 also passes model/main state and meta.
+
+    `agree(failed) -> any rank failed` (an all-reduce; a barrier and this rank's own flag when None) makes a failure
+    on one rank a failure on all: every rank raises CheckpointWriteError (one line: step, rank, cause), the temp
+    files are removed and the previous checkpoint stays the latest."""
+    if agree is None:
+        def agree(bad: bool) -> bool:  # one process, or a caller without an all-reduce: this rank's own flag
+            barrier()
+            return bad
     if is_remote(ckpt_dir):
-        return _save_remote(str(ckpt_dir), step=step, rank=rank, world_size=world_size, barrier=barrier,
+        return _save_remote(str(ckpt_dir), step=step, rank=rank, world_size=world_size, agree=agree,
                             rank_state=rank_state, main_state=main_state, model_state=model_state, meta=meta,
                             keep_last=keep_last, storage_options=storage_options)
     root = Path(ckpt_dir)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{final.name}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # left by a crash mid-save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    _save(rank_state, tmp / f"rank{rank:05d}.pt")
-    if rank == 0:
-        assert model_state is not None and main_state is not None
-        _save(model_state, tmp / "model.pt")
-        _save(main_state, tmp / "train_state.pt")
-    barrier()
-    if rank == 0:
-        missing = [r for r in range(world_size) if not (tmp / f"rank{r:05d}.pt").is_file()]
-        if missing:
-            raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
-        meta_path = tmp / "meta.json"
-        meta_path.write_text(json.dumps(_commit_meta(meta, step, world_size), indent=1))
-        storage.sync(meta_path)
-        if final.exists():  # the same step saved again after a restart: move the old copy aside first
-            os.replace(final, root / f".tmp-old-{final.name}")
-        os.replace(tmp, final)  # the commit point
-        shutil.rmtree(root / f".tmp-old-{final.name}", ignore_errors=True)
-        dfd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        prune(root, keep_last)
-        log.info("saved checkpoint %s", final)
-    barrier()
+
+    def fail(why: str) -> CheckpointWriteError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointWriteError(f"checkpoint {final.name} not written (rank {rank}): {why}; "
+                                    f"the latest checkpoint is still {_name(latest_checkpoint(root))}")
+
+    def create() -> None:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-*"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+
+    def write() -> None:
+        _save(rank_state, tmp / f"rank{rank:05d}.pt")
+        if rank == 0:
+            assert model_state is not None and main_state is not None
+            _save(model_state, tmp / "model.pt")
+            _save(main_state, tmp / "train_state.pt")
+
+    for fn in (create, write, lambda: _commit_local(root, tmp, final, meta, step, world_size, keep_last, rank)):
+        why = _stage(agree, fn, tmp if fn is not create else root)
+        if why is not None:
+            raise fail(why)
     return final
+
+
+def _name(path: Path | None) -> str:
+    return "none" if path is None else os.path.basename(str(path))
+
+
+def _commit_local(root: Path, tmp: Path, final: Path, meta: dict, step: int, world_size: int, keep_last: int,
+                  rank: int) -> None:
+    """Rank 0: meta.json, then the rename that commits, the directory fsync and pruning."""
+    if rank != 0:
+        return
+    missing = [r for r in range(world_size) if not (tmp / f"rank{r:05d}.pt").is_file()]
+    if missing:
+        raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
+    meta_path = tmp / "meta.json"
+    meta_path.write_text(json.dumps(_commit_meta(meta, step, world_size), indent=1))
+    storage.sync(meta_path)
+    if final.exists():  # the same step saved again after a restart: move the old copy aside first
+        os.replace(final, root / f".tmp-old-{final.name}")
+    os.replace(tmp, final)  # the commit point
+    shutil.rmtree(root / f".tmp-old-{final.name}", ignore_errors=True)
+    dfd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    prune(root, keep_last)
+    log.info("saved checkpoint %s", final)
 
 
 def _upload(obj: object, url: str, storage_options: dict | None) -> None:
@@ -183,34 +256,47 @@ def _upload(obj: object, url: str, storage_options: dict | None) -> None:
     storage.commit_local_file(tmp, url, storage_options)
 
 
-def _save_remote(root: str, *, step: int, rank: int, world_size: int, barrier: Callable[[], None],
+def _save_remote(root: str, *, step: int, rank: int, world_size: int, agree: Callable[[bool], bool],
                  rank_state: dict, main_state: dict | None, model_state: dict | None, meta: dict, keep_last: int,
                  storage_options: dict | None) -> Path:
     """The object-store protocol (module docstring): files under their final names, meta.json last."""
     final = storage.join(root, step_dir_name(step))
-    if rank == 0:
-        storage.remove(storage.join(final, "meta.json"), storage_options)  # a re-save: not committed meanwhile
-    barrier()
-    _upload(rank_state, storage.join(final, f"rank{rank:05d}.pt"), storage_options)
-    if rank == 0:
-        assert model_state is not None and main_state is not None
-        _upload(model_state, storage.join(final, "model.pt"), storage_options)
-        _upload(main_state, storage.join(final, "train_state.pt"), storage_options)
-    barrier()
-    if rank == 0:
-        names = set(storage.ls_names(final, storage_options))
-        missing = [r for r in range(world_size) if f"rank{r:05d}.pt" not in names]
-        if missing:
-            raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
-        stray = sorted(n for n in names if _RANK_FILE.match(n) and n not in rank_files(world_size))
-        for n in stray:  # left by a dead attempt with more ranks: never part of this step
-            storage.remove(storage.join(final, n), storage_options)
-        body = json.dumps(_commit_meta(meta, step, world_size), indent=1).encode()
-        storage.atomic_write_bytes(storage.join(final, "meta.json"), body, storage_options)  # the commit point
-        prune(root, keep_last, storage_options)  # type: ignore[arg-type]
-        log.info("saved checkpoint %s", final)
-    barrier()
+
+    def uncommit() -> None:
+        if rank == 0:
+            storage.remove(storage.join(final, "meta.json"), storage_options)  # a re-save: not committed meanwhile
+
+    def write() -> None:
+        _upload(rank_state, storage.join(final, f"rank{rank:05d}.pt"), storage_options)
+        if rank == 0:
+            assert model_state is not None and main_state is not None
+            _upload(model_state, storage.join(final, "model.pt"), storage_options)
+            _upload(main_state, storage.join(final, "train_state.pt"), storage_options)
+
+    for fn in (uncommit, write, lambda: _commit_remote(root, final, meta, step, world_size, keep_last, rank,
+                                                         storage_options)):
+        why = _stage(agree, fn, Path(user_dir("tmp")))
+        if why is not None:
+            raise CheckpointWriteError(f"checkpoint {final} not written (rank {rank}): {why}; the latest "
+                                       f"checkpoint is still {_name(latest_checkpoint(root, storage_options))}")
     return final  # type: ignore[return-value]
+
+
+def _commit_remote(root: str, final: str, meta: dict, step: int, world_size: int, keep_last: int, rank: int,
+                   storage_options: dict | None) -> None:
+    if rank != 0:
+        return
+    names = set(storage.ls_names(final, storage_options))
+    missing = [r for r in range(world_size) if f"rank{r:05d}.pt" not in names]
+    if missing:
+        raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
+    stray = sorted(n for n in names if _RANK_FILE.match(n) and n not in rank_files(world_size))
+    for n in stray:  # left by a dead attempt with more ranks: never part of this step
+        storage.remove(storage.join(final, n), storage_options)
+    body = json.dumps(_commit_meta(meta, step, world_size), indent=1).encode()
+    storage.atomic_write_bytes(storage.join(final, "meta.json"), body, storage_options)  # the commit point
+    prune(root, keep_last, storage_options)  # type: ignore[arg-type]
+    log.info("saved checkpoint %s", final)
 
 
 def read_meta(path: Path, storage_options: dict | None = None) -> dict:
@@ -278,3 +364,49 @@ def load_checkpoint(path: Path, *, rank: int, world_size: int, storage_options: 
         "main": _load(path, "train_state.pt", storage_options),
         "rank": rank_state,
     }
+
+
+def load_newest_intact(ckpt_dir: str | os.PathLike, *, rank: int, world_size: int,
+                       agree: Callable[[bool], bool] = lambda bad: bad,
+                       storage_options: dict | None = None) -> tuple[Path, dict] | tuple[None, None]:
+    """The newest committed checkpoint every rank can read, and this rank's state from it (load_checkpoint).
+
+    A truncated or corrupt file (a disk that lost its tail, a copy cut short) makes its checkpoint unusable on
+    every rank (`agree`, an all-reduce, so all ranks resume from the same step); it is named in one warning and
+    the next older one is tried. (None, None) when there is no checkpoint; a
+    ValueError naming every checkpoint and its fault when none is readable."""
+    faults: list[str] = []
+    for _, path in reversed(list_checkpoints(ckpt_dir, storage_options)):
+        why = None
+        try:
+            state = load_checkpoint(path, rank=rank, world_size=world_size, storage_options=storage_options)
+        except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as e:
+            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0].split('. ')[0][:160]}"
+        if not agree(why is not None):
+            if faults:
+                log.warning("resuming from %s, the newest intact checkpoint (skipped: %s)", path, "; ".join(faults))
+            return path, state
+        faults.append(f"{_name(path)} is unreadable ({why or 'on another rank'})")
+        log.warning("checkpoint %s is corrupt or incomplete (%s); trying the previous one", path,
+                    why or "unreadable on another rank")
+    if faults:
+        raise ValueError(f"no readable checkpoint in {ckpt_dir}: {'; '.join(faults)}")
+    return None, None
+
+
+def explain_mismatch(stored_cfg: dict, cfg: dict, saved: dict, model: dict, limit: int = 4) -> str:
+    """Why a checkpoint's model state does not fit the model built from `cfg`, in one line: the config fields
+    that differ from the checkpoint's config.json section by section, then the tensors whose shapes differ."""
+    fields = [f"{sec}.{k} {v!r} -> {cfg.get(sec, {}).get(k)!r}" for sec in ("model", "features")
+              for k, v in sorted((stored_cfg.get(sec) or {}).items()) if cfg.get(sec, {}).get(k) != v]
+    shapes = [f"{k} {list(saved[k].shape)} vs {list(model[k].shape)}" for k in saved
+              if k in model and hasattr(saved[k], "shape") and saved[k].shape != model[k].shape]
+    missing = sorted(set(model) - set(saved))
+    extra = sorted(set(saved) - set(model))
+    parts = [f"changed fields: {', '.join(fields)}" if fields else "no model field differs in config"]
+    if shapes:
+        parts.append(f"{len(shapes)} tensors differ in shape ({', '.join(shapes[:limit])}{', ...' if len(shapes) > limit else ''})")
+    if missing or extra:
+        parts.append(f"{len(missing)} tensors missing from the checkpoint, {len(extra)} unexpected "
+                     f"({', '.join((missing + extra)[:limit])})")
+    return "; ".join(parts)

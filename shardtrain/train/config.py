@@ -80,6 +80,12 @@ class TrainConfig:
     """Checkpoint every N steps and at the end; 0 = only at the end."""
     keep_last: int = 3
     """Checkpoints kept besides the best by validation loss."""
+    preempt_signals: str = "SIGTERM,SIGUSR1"
+    """Signals that stop the run at the next step on every rank with a checkpoint, then exit 75 (train/preempt.py;
+    SIGINT always does the same once). "" = off: the signals keep their default action (the process dies)."""
+    lease_ttl_s: float = 300.0
+    """The run folder's lease (--out/_train.lease) expires this long after its last renewal (every ttl/3 while
+    training): a job killed without a chance to release it blocks a requeued one for at most this long."""
     tensorboard: bool = True
     """Also write TensorBoard events under out_dir/tensorboard."""
     progress: bool = True
@@ -133,6 +139,8 @@ class TrainConfig:
             raise ValueError("train.cpu_threads must be >= 0 (0 = torch default)")
         if self.max_nonfinite_steps < 1 or not 0.0 < self.max_impossible_share <= 1.0:
             raise ValueError("train.max_nonfinite_steps must be >= 1 and train.max_impossible_share in (0, 1]")
+        if self.lease_ttl_s < 10:
+            raise ValueError(f"train.lease_ttl_s must be >= 10 (seconds), got {self.lease_ttl_s}")
         if self.log_every_steps < 1 or self.keep_last < 0:
             raise ValueError("train.log_every_steps must be >= 1 and train.keep_last >= 0")
         val_sets(self)  # names unique and well-formed, no URL twice: refused here, not at the first validation

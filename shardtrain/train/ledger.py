@@ -56,10 +56,12 @@ class LedgerWriter:
         self._rows: list[np.ndarray] = []
         self._sources: list[np.ndarray] = []
 
-    def start(self, *, start_step: int, world_size: int, datasets: list[dict]) -> None:
-        """Rank 0 records the attempt: where it started, on how many ranks, over which datasets."""
+    def start(self, *, start_step: int, world_size: int, datasets: list[dict], redone: dict | None = None) -> None:
+        """Rank 0 records the attempt: where it started, on how many ranks, over which datasets, and what it
+        trains again of the attempt before it (`redone`: steps and audio seconds logged past start_step)."""
         meta = {"version": LEDGER_VERSION, "attempt": self.attempt, "start_step": start_step,
-                "world_size": world_size, "datasets": datasets, "time_unix": time.time()}
+                "world_size": world_size, "datasets": datasets, "time_unix": time.time(),
+                "redone": redone or {"steps": 0, "audio_s": 0.0}}
         self._write(f"a{self.attempt}.json", json.dumps(meta, indent=1).encode())
 
     def add(self, step: int, micro: list) -> None:
@@ -97,6 +99,8 @@ class Attempt:
     start_step: int
     world_size: int
     datasets: list[dict]
+    redone: dict = field(default_factory=dict)
+    """Steps and audio seconds of the previous attempt this one trains again (what its interruption wasted)."""
 
 
 @dataclass
@@ -129,7 +133,8 @@ def read_history(run: str, storage_options: dict | None = None) -> History:
     metas = []
     for a in attempts:
         meta = json.loads(storage.read_bytes(storage.join(folder, f"a{a}.json"), storage_options))
-        metas.append(Attempt(a, int(meta["start_step"]), int(meta["world_size"]), list(meta.get("datasets", []))))
+        metas.append(Attempt(a, int(meta["start_step"]), int(meta["world_size"]), list(meta.get("datasets", [])),
+                             dict(meta.get("redone") or {})))
     by_attempt: dict[str, list[tuple[int, str]]] = {}
     for n in names:
         if m := _RECORD.fullmatch(n):

@@ -25,6 +25,9 @@ credentials or a missing shard raise StreamError from the loader: the run stops,
 Resume is bit-exact on CPU: the loader state of the last consumed batch, the torch RNG state of every rank,
 model, optimiser, scheduler and scaler are restored, and augmentation randomness depends only on
 (seed, epoch, step, rank).
+A cluster's run: SIGTERM/SIGUSR1/Ctrl-C stop every rank at the same step with a checkpoint (preempt.py; the CLI
+exits 75); rank 0 holds the run folder's lease while training (runfiles.RunLease); a failed periodic checkpoint is
+logged in one line and training goes on (MAX_CKPT_FAILURES), a failed final or preemption checkpoint stops it.
 """
 from __future__ import annotations
 
@@ -46,9 +49,11 @@ from tqdm import tqdm
 
 from shardtrain import faults
 from shardtrain.format.safe import printable
+from shardtrain.storage.lock import LockHeld
 
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train import elastic, runfiles
+from shardtrain.train.preempt import Preemption, parse_signals
 from shardtrain.train.keylog import KeyLog
 from shardtrain.train.ledger import LedgerWriter, attempt_id
 from shardtrain.train.step import Augmenters, Collectives
@@ -58,7 +63,7 @@ from shardtrain.train.memory import MemoryMeter, total_bytes
 from shardtrain.train.update import SplitLevels, broadcast_params, optimiser_step
 from shardtrain.train.guards import StepGuard, check_finite_weights
 from shardtrain.train.evaluate import evaluate, metrics_row
-from shardtrain.train.metrics import MetricsLogger
+from shardtrain.train.metrics import MetricsLogger, redone_after
 from shardtrain.train.model import build_model, num_parameters
 from shardtrain.train.overrides import to_dict
 from shardtrain.train.qat import enable_qat
@@ -148,14 +153,37 @@ def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options
     if device.type == "cpu" and tc.cpu_threads > 0:
         torch.set_num_threads(tc.cpu_threads)
     own_pg = world.world_size > 1 and not dist.is_initialized()
-    if own_pg:
-        _init_process_group("nccl" if device.type == "cuda" else "gloo", world, attempt)
+    pre = Preemption(parse_signals(tc.preempt_signals)).install()  # before the process group: a signal meanwhile
+    lease = None                                                   # is kept and acted on at the first step
     try:
-        return _train(cfg, world, device, resume, storage_options)
+        if own_pg:
+            _init_process_group("nccl" if device.type == "cuda" else "gloo", world, attempt)
+        lease = _take_lease(tc, world, storage_options)
+        return _train(cfg, world, device, resume, storage_options, pre, lease)
     finally:
+        pre.uninstall()
+        if lease is not None:
+            lease.release()
         torch.set_num_threads(threads_before)
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _take_lease(tc: TrainConfig, world: World, storage_options: dict | None) -> runfiles.RunLease | None:
+    """Rank 0 takes the run folder's lease (runfiles.RunLease); every rank raises LockHeld when it is held."""
+    lease, refused = None, None
+    if world.is_main:
+        try:
+            lease = runfiles.RunLease(tc.out_dir, tc.lease_ttl_s, storage_options)
+        except LockHeld as e:
+            refused = str(e)
+    if world.world_size > 1:
+        box = [refused]
+        dist.broadcast_object_list(box, src=0)
+        refused = box[0]
+    if refused:
+        raise LockHeld(refused)
+    return lease
 
 
 @dataclass(slots=True)
@@ -183,18 +211,21 @@ class _Run:
     """The closed loop's state from the checkpoint (train/closedloop.py), applied in _prepare."""
     guard: StepGuard | None = None
     """Skipped non-finite steps and impossible targets (train/guards.py); set when training starts."""
+    ckpt_failures: int = 0
+    """Periodic checkpoints failed in a row (_maybe_checkpoint)."""
 
 
 def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
-             ckpt_dir: Path | str) -> _Run:
-    """Build model, optimiser, scheduler and scaler, from the latest checkpoint when resuming."""
+             ckpt_dir: Path | str, comm: Collectives) -> _Run:
+    """Build model, optimiser, scheduler and scaler, from the newest intact checkpoint when resuming."""
     tc = cfg.train
     latest = ckpt.latest_checkpoint(ckpt_dir, storage_options)
     if latest is not None and not resume:
         raise ValueError(f"{os.path.dirname(str(ckpt_dir))} already holds checkpoints "
                          f"({os.path.basename(str(latest))}); pass --resume to continue it, or choose a new --out")
-    state = (ckpt.load_checkpoint(latest, rank=world.rank, world_size=world.world_size,
-                                  storage_options=storage_options) if resume and latest else None)
+    latest, state = (ckpt.load_newest_intact(ckpt_dir, rank=world.rank, world_size=world.world_size,
+                                             agree=lambda bad: comm.max([float(bad)])[0] > 0,
+                                             storage_options=storage_options) if resume and latest else (None, None))
     if resume and state is None:
         log.info("--resume: no checkpoint in %s yet; starting from scratch", ckpt_dir)
 
@@ -211,6 +242,7 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc)),
                scaler=torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16"))
     if state and latest is not None:
+        _fit_model(run.raw_model, state, cfg, latest)
         _load_state(run, state, device, seed=tc.seed * 1000 + world.rank)
         run.resized = elastic.decide(state["meta"], cfg, world.world_size)
         stored, now = state["meta"]["config"], json.loads(json.dumps(to_dict(cfg)))
@@ -227,8 +259,18 @@ def _restore(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
     return run
 
 
+def _fit_model(model: torch.nn.Module, state: dict, cfg: RunConfig, path: Path) -> None:
+    """Load the checkpoint's weights, or one ValueError naming the config fields and tensor shapes that differ."""
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError:
+        why = ckpt.explain_mismatch(state["meta"].get("config", {}), json.loads(json.dumps(to_dict(cfg))),
+                                    state["model"], model.state_dict())
+        raise ValueError(f"--resume: checkpoint {os.path.basename(str(path))} does not fit this model: {why}; "
+                         "resume with the run's config (its config.json) or start a new --out") from None
+
+
 def _load_state(run: _Run, state: dict, device: torch.device, seed: int) -> None:
-    run.raw_model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["main"]["optimizer"])
     run.scheduler.load_state_dict(state["main"]["scheduler"])
     run.scaler.load_state_dict(state["main"]["scaler"])
@@ -268,7 +310,7 @@ def _prepare(cfg: RunConfig, world: World, device: torch.device, resume: bool, s
         if ckpt.is_remote(cfg.train.out_dir):
             runfiles.fetch_run_files(cfg.train.out_dir, out, storage_options)
     comm.barrier()
-    run = _restore(cfg, world, device, resume, storage_options, ckpt_dir)
+    run = _restore(cfg, world, device, resume, storage_options, ckpt_dir, comm)
     if run.resized is not None:
         cfg = elastic.apply(cfg, run.resized, run.optimizer, run.scheduler)
     cfg, closed = _closed_loop(cfg, run, device)
@@ -298,10 +340,12 @@ def _closed_loop(cfg: RunConfig, run: _Run, device: torch.device) -> tuple[RunCo
     return cfg, closed
 
 
-def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None) -> dict:
+def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, storage_options: dict | None,
+           pre: Preemption, lease: runfiles.RunLease | None) -> dict:
     comm = Collectives(world, device)
     cfg, run, out, ckpt_dir, closed = _prepare(cfg, world, device, resume, storage_options, comm)
     tc = cfg.train
+    redone = redone_after(out / "metrics.jsonl", run.step) if world.is_main else None  # before the truncation
     metrics = MetricsLogger(out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
     if run.resized is not None:
         metrics.log(run.resized.row(run.step))
@@ -309,7 +353,7 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
     # an endless stream, asked for explicitly (a default StreamConfig runs one epoch): max_steps ends training
     loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=replace(cfg.stream, epochs=None),
                           state=run.loader_state, storage_options=storage_options)
-    run.ledger = _start_ledger(tc, run, out, world, comm, storage_options) if tc.ledger else None
+    run.ledger = _start_ledger(tc, run, out, world, comm, storage_options, redone) if tc.ledger else None
     batches = iter(loader)
     augmenters = Augmenters(cfg, device)
     bar = tqdm(total=tc.max_steps, initial=run.step, dynamic_ncols=True,
@@ -355,8 +399,6 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             loss, global_tokens = res.loss, res.global_tokens
             run.guard.after_step(run.step + 1, nonfinite=res.nonfinite, overflow=res.overflow,
                                  impossible=res.impossible, samples=res.samples)
-            if res.nonfinite:  # nothing was learned: the interval's loss stays finite
-                loss, global_tokens = 0.0, 0.0
             for bucket, peak in res.peaks:
                 meter.mem_peak = max(meter.mem_peak, peak)
                 closed.record(bucket, peak)
@@ -378,14 +420,20 @@ def _train(cfg: RunConfig, world: World, device: torch.device, resume: bool, sto
             tokenless = 0
             run.step += 1
             bar.update(1)
-            meter.add(loss, global_tokens, sum(float(b.durations_s.sum()) for b, _ in micro))
+            # a skipped non-finite step still counts (scheduler and data moved on); its loss stays out of the mean
+            meter.add(0.0 if res.nonfinite else loss, 0.0 if res.nonfinite else global_tokens,
+                      sum(float(b.durations_s.sum()) for b, _ in micro))
             run.loader_state = micro[-1][1]
             if run.step % tc.log_every_steps == 0 or run.step == tc.max_steps:
                 last.update(_log_interval(run, meter, loader, comm, micro[-1][0].epoch, device, metrics, bar,
                                           world, tc.max_steps))
             t_pause = time.perf_counter()
+            if run.step < tc.max_steps and _must_stop(pre, lease, comm):  # every rank, at this same step
+                return _preempted(cfg, run, world, device, comm, ckpt_dir, last, closed, storage_options, pre,
+                                  metrics, step_s=t_pause - t0)
             val_loss = _maybe_validate(cfg, run, world, device, comm, augmenters, metrics, last, storage_options)
-            _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, closed, storage_options)
+            _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, val_loss, last, closed, storage_options,
+                              metrics=metrics)
             meter.pause_s += time.perf_counter() - t_pause
             # the fault seam: after any checkpoint of this step, so a test can crash right after a save
             faults.point(f"train.step.rank{world.rank}", run.step, once_marker=out / f".fault_step_{run.step}.done")
@@ -451,7 +499,7 @@ class _Interval:
         loss_g, audio_g, skipped_g = comm.sum([self.loss, self.audio_s, skipped])
         elapsed = max(time.perf_counter() - self.t0 - self.pause_s, 1e-9)
         row = {"step": run.step, "loss": loss_g / max(self.tokens, 1.0), "lr": run.scheduler.get_last_lr()[0],
-               "audio_s_per_s": audio_g / elapsed, "data_wait_pct": 100.0 * self.wait_s / elapsed,
+               "audio_s": round(audio_g, 3), "audio_s_per_s": audio_g / elapsed, "data_wait_pct": 100.0 * self.wait_s / elapsed,
                "skipped": int(skipped_g), "epoch": epoch}
         if device.type == "cuda":
             row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -492,13 +540,66 @@ def _maybe_validate(cfg: RunConfig, run: _Run, world: World, device: torch.devic
     return val_loss
 
 
+def _must_stop(pre: Preemption, lease: runfiles.RunLease | None, comm: Collectives) -> bool:
+    """The step boundary's one all-reduce: was any rank signalled, or did rank 0 lose the run's lease?"""
+    sig, lost = comm.max([float(pre.signum or 0), 1.0 if lease is not None and lease.lost else 0.0])
+    if lost:
+        raise LockHeld(lease.lost if lease is not None and lease.lost else "rank 0 lost the run folder's lease")
+    if sig and pre.t_signal is None:
+        pre.t_signal = time.time()  # this rank saw no signal: its delay counts from the agreement
+    return sig > 0
+
+
+def _preempted(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
+               ckpt_dir: Path | str, last: dict, closed: ClosedLoop, storage_options: dict | None,
+               pre: Preemption, metrics: MetricsLogger, step_s: float) -> dict:
+    """Checkpoint this step on every rank (a failure raises: there is no later chance), log the delay next to
+    the step's duration (`step_s`: the bound is one step plus the write)."""
+    t0 = time.time()
+    _maybe_checkpoint(cfg, run, world, device, comm, ckpt_dir, None, last, closed, storage_options, force=True)
+    done = time.time()
+    row = {"step": run.step, "event": "preempted", "signal": pre.name(),
+           "preempt_s": round(done - (pre.t_signal or t0), 3), "checkpoint_s": round(done - t0, 3),
+           "step_s": round(step_s, 3)}
+    metrics.log(row)
+    log.warning("step %d: %s received; checkpoint %s committed %.2f s after the signal (write %.2f s); "
+                "exiting to be resumed with --resume", run.step, row["signal"], last.get("checkpoint"),
+                row["preempt_s"], row["checkpoint_s"])
+    return {**last, **row, "preempted": True, "out_dir": cfg.train.out_dir, "oom_splits": run.oom_splits}
+
+
+MAX_CKPT_FAILURES = 3
+"""Periodic checkpoints that may fail in a row (each logged in one line, the previous one stays the latest)
+before the run stops; a failed final or preemption checkpoint stops it at once."""
+
+
 def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
                       ckpt_dir: Path | str, val_loss: float | None, last: dict, closed: ClosedLoop,
-                      storage_options: dict | None = None) -> None:
-    """Save every `ckpt_every_steps` and at the end (all ranks take part: each writes its own RNG + loader state)."""
+                      storage_options: dict | None = None, *, force: bool = False,
+                      metrics: MetricsLogger | None = None) -> None:
+    """Save every `ckpt_every_steps`, at the end and when `force`d (all ranks take part: each writes its own RNG +
+    loader state). A failed periodic save is logged and training goes on (MAX_CKPT_FAILURES)."""
     tc = cfg.train
-    if not (run.step == tc.max_steps or (tc.ckpt_every_steps and run.step % tc.ckpt_every_steps == 0)):
+    end = run.step == tc.max_steps
+    if not (force or end or (tc.ckpt_every_steps and run.step % tc.ckpt_every_steps == 0)):
         return
+    try:
+        _save(cfg, run, world, device, comm, ckpt_dir, val_loss, last, closed, storage_options)
+        run.ckpt_failures = 0
+    except ckpt.CheckpointWriteError as e:
+        run.ckpt_failures += 1
+        if force or end or run.ckpt_failures >= MAX_CKPT_FAILURES:
+            raise
+        log.warning("%s; training goes on (%d of %d failures in a row allowed)", e, run.ckpt_failures,
+                    MAX_CKPT_FAILURES - 1)
+        if metrics is not None:
+            metrics.log({"step": run.step, "event": "checkpoint_failed", "reason": str(e)})
+
+
+def _save(cfg: RunConfig, run: _Run, world: World, device: torch.device, comm: Collectives,
+          ckpt_dir: Path | str, val_loss: float | None, last: dict, closed: ClosedLoop,
+          storage_options: dict | None) -> None:
+    tc = cfg.train
     rank_state = {"rng_cpu": torch.get_rng_state(),
                   "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                   "loader_state": json.dumps(run.loader_state)}
@@ -516,14 +617,14 @@ def _maybe_checkpoint(cfg: RunConfig, run: _Run, world: World, device: torch.dev
         model_state=run.raw_model.state_dict() if world.is_main else None,
         meta={"val_loss": val_loss, "config": to_dict(cfg), "time_unix": time.time(),
               "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None},
-        keep_last=tc.keep_last, storage_options=storage_options)
+        keep_last=tc.keep_last, storage_options=storage_options, agree=lambda bad: comm.max([float(bad)])[0] > 0)
     last["checkpoint"] = str(path)
     if world.is_main and ckpt.is_remote(tc.out_dir):
         runfiles.push_run_files(runfiles.run_dirs(tc.out_dir)[0], tc.out_dir, storage_options)
 
 
 def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
-                  storage_options: dict | None) -> LedgerWriter:
+                  storage_options: dict | None, redone: dict | None) -> LedgerWriter:
     """This rank's ledger for the attempt starting at run.step; the attempt is named by rank 0's clock."""
     t_ms = int(comm.sum([time.time() * 1000.0 if world.is_main else 0.0])[0])
     sources = data_sources(tc)
@@ -531,5 +632,5 @@ def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
     ledger = LedgerWriter(out, rank=world.rank, attempt=attempt_id(run.step, t_ms),
                           remote=tc.out_dir if ckpt.is_remote(tc.out_dir) else None, storage_options=storage_options)
     if world.is_main:
-        ledger.start(start_step=run.step, world_size=world.world_size, datasets=datasets)
+        ledger.start(start_step=run.step, world_size=world.world_size, datasets=datasets, redone=redone)
     return ledger

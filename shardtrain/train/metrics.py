@@ -15,6 +15,15 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def redone_after(path: Path, step: int) -> dict:
+    """What a resume from `step` trains again: the steps and audio seconds logged past it by the attempt that
+    stopped (to `log_every_steps` precision; read before truncate_after drops them). Zero after a preemption."""
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    past = [r for r in rows if r.get("step", 0) > step and "loss" in r]
+    return {"steps": max((r["step"] for r in past), default=step) - step,
+            "audio_s": round(sum(float(r.get("audio_s", 0.0)) for r in past), 2)}
+
+
 def truncate_after(path: Path, step: int) -> int:
     """Drop lines logged after `step` (by a run that crashed past its last checkpoint); returns lines dropped.
 

@@ -69,6 +69,8 @@ def test_killed_resumed_resized_run_trains_every_utterance_once(speech_corpus, t
     code, rep, err = _ledger(out)
     assert code == 0, err
     assert [(a["start_step"], a["world_size"]) for a in rep["attempts"]] == [(0, 2), (2, 1), (4, 3)]
+    # the kill after step 3 (checkpoint 2) wasted step 3 (2 ranks x 1 utterance), trained again
+    assert rep["redone"]["steps"] == 1 and rep["redone"]["audio_s"] > 0
     e0 = rep["epochs"][0]
     assert e0["epoch"] == 0 and e0["complete"] and e0["exactly_once"]
     (d,) = e0["datasets"]

@@ -162,10 +162,11 @@ def test_crash_during_save_leaves_previous_checkpoints(tmp_path, monkeypatch):
         real(obj, path)
 
     monkeypatch.setattr(ckpt, "_save", failing)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"step_000002 not written \(rank 0\): OSError: disk full "
+                       r"\(injected\).*latest checkpoint is still step_000001"):
         _save(tmp_path, 2)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1]
-    assert (tmp_path / ".tmp-step_000002").exists()  # half-written, but invisible to readers
+    assert not (tmp_path / ".tmp-step_000002").exists()  # the half-written set is removed
     monkeypatch.setattr(ckpt, "_save", real)
     _save(tmp_path, 3)
     _save(tmp_path, 4)
