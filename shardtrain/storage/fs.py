@@ -17,6 +17,8 @@ choices:
 - Time: one budget per read, of time without progress (storage.clock), covers waiting and retrying alike and is
   enforced while a request waits (connect, answer, body) on the direct path: a silent or trickling server is cut
   at the budget with one line naming the URL and the cause. On the s3fs path the budget bounds each call.
+  Until an S3 endpoint has answered once in the process, a failed read probes it (s3http.endpoint_problem): an
+  unresolvable host or https against plain HTTP is named at once, a refused connection after ~8 s (FIRST_CONTACT_S).
 - Credentials: missing or refused ones raise `CredentialsError` at once (never retried), naming what to set.
   Neither path follows an HTTP redirect, so no signed request reaches another host (storage.noredirect).
 - `iter_range(..., direct_http=True)` (the loader's hot path), `read_bytes` and `open_ranged` with the same flag
@@ -81,6 +83,13 @@ def _direct_s3_key(url: str | os.PathLike, direct_http: bool, storage_options: d
 def _s3fs_factory(url: str | os.PathLike, storage_options: dict | None):
     """The s3fs filesystem for `url`, built only if s3http must have s3fs sign a URL."""
     return lambda: fs_and_path(url, storage_options)[0]
+
+
+def _backoff(url: str | os.PathLike, storage_options: dict | None, **kw: Any) -> Backoff:
+    """A read's Backoff; an S3 read's probes the endpoint after a failure until the endpoint has answered once
+    (s3http.endpoint_problem), so a wrong endpoint is named in seconds."""
+    s3 = _protocol(str(url)) in ("s3", "s3a")
+    return Backoff(str(url), probe=(lambda: s3http.endpoint_problem(storage_options)) if s3 else None, **kw)
 
 
 def is_local(url: str | os.PathLike) -> bool:
@@ -183,8 +192,8 @@ def read_bytes(url: str | os.PathLike, storage_options: dict | None = None, *, d
     if _direct_s3_key(url, direct_http, storage_options) is not None:
         return read_range(url, 0, None, storage_options, direct_http=True, budget_s=budget_s)
     fs, path = fs_and_path(url, storage_options)
-    backoff = Backoff(str(url), budget_s=budget_s)
-    return _with_retry(lambda: _call(fs, "cat_file", path, budget_s=backoff.clock.remaining()), url, backoff)
+    backoff = _backoff(url, storage_options, budget_s=budget_s)
+    return _with_retry(lambda: _call(fs, "cat_file", path, budget_s=backoff.call_budget()), url, backoff)
 
 
 def atomic_write_bytes(url: str | os.PathLike, data: bytes, storage_options: dict | None = None) -> None:
@@ -261,10 +270,10 @@ def _fetcher(url: str | os.PathLike, end: int | None, storage_options: dict | No
         return fetch_http, end
     fs, path = fs_and_path(url, storage_options)
     if end is None:
-        end = _with_retry(lambda: int(_call(fs, "size", path, budget_s=clock.remaining())), url, backoff)
+        end = _with_retry(lambda: int(_call(fs, "size", path, budget_s=backoff.call_budget())), url, backoff)
 
     def fetch_fs(a: int, b: int) -> Iterator[bytes]:
-        piece = _call(fs, "cat_file", path, start=a, end=b, budget_s=clock.remaining())
+        piece = _call(fs, "cat_file", path, start=a, end=b, budget_s=backoff.call_budget())
         if piece:
             clock.done()
         return iter((piece,) if piece else ())
@@ -300,7 +309,8 @@ def iter_range(
     """
     if start < 0 or (end is not None and end < start):
         raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
-    backoff = Backoff(str(url), budget_s=budget_s, retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+    backoff = _backoff(url, storage_options, budget_s=budget_s, retries=retries, backoff_s=backoff_s,
+                       max_backoff_s=max_backoff_s)
     fetch, end = _fetcher(url, end, storage_options, direct_http, backoff)
     pos = start
     while end is None or pos < end:  # end None: direct HTTP learns where the object ends from the responses
@@ -386,7 +396,7 @@ def open_ranged(url: str | os.PathLike, storage_options: dict | None = None, *, 
             return read_range(url, a, b, storage_options, direct_http=True, retries=retries, budget_s=budget_s,
                               backoff_s=backoff_s)
 
-        backoff = Backoff(str(url), budget_s=budget_s, retries=retries, backoff_s=backoff_s)
+        backoff = _backoff(url, storage_options, budget_s=budget_s, retries=retries, backoff_s=backoff_s)
         return _with_retry(lambda: s3http.RangeFile(key, storage_options, _s3fs_factory(url, storage_options), block,
                                                     clock=backoff.clock), url, backoff)
     fs, path = fs_and_path(url, storage_options)
@@ -406,7 +416,9 @@ def _with_retry(fn, url, backoff: Backoff):
     while True:
         try:
             with _credentials(url):
-                return fn()
+                out = fn()
+            backoff.clock.done()  # an answer: the endpoint works (storage.clock.answered)
+            return out
         except Exception as e:  # noqa: BLE001 - is_transient sorts them
             if not is_transient(e):
                 raise
