@@ -2,7 +2,8 @@
 
     is_transient(e)          connection refused/reset, timeouts, HTTP 5xx/408/429 -> retry; the rest raises at once
     credentials_error(e)     missing or refused S3 credentials -> CredentialsError naming what to set (never retried:
-                             no wait makes a missing key appear)
+                             no wait makes a missing key appear); a refusal for this machine's clock (S3's
+                             RequestTimeTooSkewed, or a 403 whose Date header is minutes away) -> ClockSkewError
     Backoff(clock)           jittered exponential waits under one time budget without progress (storage.clock)
     StorageUnavailable       the budget ran out; the message names the URL and the cause (refused, stall, trickle)
     EndpointUnreachable      the endpoint never answered and cannot be talked to (unresolvable host, TLS against
@@ -10,6 +11,7 @@
 """
 from __future__ import annotations
 
+import email.utils
 import http.client
 import logging
 import random
@@ -65,12 +67,47 @@ class StorageUnavailable(OSError):
         self.url = url
 
 
+CLOCK_HELP = ("sync this machine's clock (NTP: `timedatectl set-ntp true`, chrony or ntpd); S3 refuses requests "
+              "signed more than 15 minutes away from its own time")
+SKEW_TOLERANCE_S = 300.0
+"""A 403 whose Date header is this far from the local clock is blamed on the clock, not the keys (S3 allows 15 min;
+a refusal from a server 5+ minutes away is that, whatever the body did not say)."""
+
+
 class EndpointUnreachable(StorageUnavailable):
     """The storage endpoint cannot be talked to at all (s3http.endpoint_problem): a wrong endpoint, not a slow one."""
 
 
 class CredentialsError(PermissionError):
     """S3 credentials are missing or the server refused them: one line naming what to set; never retried."""
+
+
+class ClockSkewError(CredentialsError):
+    """The server refused a request because this machine's clock is off: keys are fine, the clock must change."""
+
+
+def _server_skew_s(e: BaseException) -> float | None:
+    """Local clock minus the server's (its Date header, on a botocore ClientError), or None when not known."""
+    resp = getattr(e, "response", None)
+    headers = (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {} if isinstance(resp, dict) else {}
+    try:
+        return time.time() - email.utils.parsedate_to_datetime(headers["date"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _clock_skew_error(err: BaseException, code: str | None, where: str) -> ClockSkewError | None:
+    skew = _server_skew_s(err)
+    named = code == "RequestTimeTooSkewed" or "RequestTimeTooSkewed" in str(err)
+    if not named and not (code in ("403", "Forbidden", "AccessDenied", "SignatureDoesNotMatch")
+                          and skew is not None and abs(skew) > SKEW_TOLERANCE_S):
+        return None
+    how = "" if skew is None else (f" by {abs(skew) / 60:.0f} min ({'behind' if skew < 0 else 'ahead of'} the "
+                                   f"server's Date header, {time.strftime('%H:%M:%S', time.gmtime(time.time() - skew))}"
+                                   f" UTC; here {time.strftime('%H:%M:%S', time.gmtime())} UTC)")
+    reason = "RequestTimeTooSkewed" if named else "HTTP 403" + (f" {code}" if code not in ("403", "Forbidden") else "")
+    return ClockSkewError(f"{where}the server refused the request because this machine's clock is off{how}, not "
+                          f"the keys ({reason}): {CLOCK_HELP}")
 
 
 def _chain(e: BaseException):
@@ -97,6 +134,9 @@ def credentials_error(e: BaseException, url: str = "") -> CredentialsError | Non
         if name in _MISSING:
             return CredentialsError(f"{where}no usable S3 credentials ({name}: {err}); {CREDENTIALS_HELP}")
         code = _error_code(err)
+        skewed = _clock_skew_error(err, code, where)
+        if skewed is not None:
+            return skewed
         if code in ("403", "Forbidden"):  # a HEAD has no body to say why: bad keys or a policy, both refusals
             return CredentialsError(f"{where}the server refused access (HTTP 403, no reason given): the S3 "
                                     f"credentials are wrong or expired, or not allowed here (check the bucket "
