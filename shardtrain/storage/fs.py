@@ -17,8 +17,9 @@ choices:
 - Time: one budget per read, of time without progress (storage.clock), covers waiting and retrying alike and is
   enforced while a request waits (connect, answer, body) on the direct path: a silent or trickling server is cut
   at the budget with one line naming the URL and the cause. On the s3fs path the budget bounds each call.
-  Until an S3 endpoint has answered once in the process, a failed read probes it (s3http.endpoint_problem): an
-  unresolvable host or https against plain HTTP is named at once, a refused connection after ~8 s (FIRST_CONTACT_S).
+  Until an S3 endpoint has answered once in the process, the first s3fs filesystem for it and every failed read
+  probe it (s3http.endpoint_problem): an unresolvable host or https against plain HTTP is named at once, a refused
+  connection after ~5 s (FIRST_CONTACT_S), in one line, from every command (pack's lock, inspect, train).
 - Credentials: missing or refused ones raise `CredentialsError` at once (never retried), naming what to set.
   Neither path follows an HTTP redirect, so no signed request reaches another host (storage.noredirect).
 - `iter_range(..., direct_http=True)` (the loader's hot path), `read_bytes` and `open_ranged` with the same flag
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -38,8 +40,10 @@ import fsspec
 import fsspec.implementations.local  # noqa: F401  (imported on first use otherwise: ~25 ms of the first batch)
 
 from shardtrain.storage import s3http
-from shardtrain.storage.retry import (RETRY_BUDGET_S, Backoff, CredentialsError, StorageUnavailable,  # noqa: F401
-                                      credentials_error, is_transient, refused_redirect)
+from shardtrain.storage.clock import answered as clock_answered
+from shardtrain.storage.retry import (FIRST_CONTACT_S, RETRY_BUDGET_S, Backoff, CredentialsError,  # noqa: F401
+                                      EndpointUnreachable, StorageUnavailable, credentials_error, is_transient,
+                                      refused_redirect)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,27 @@ def _backoff(url: str | os.PathLike, storage_options: dict | None, **kw: Any) ->
     return Backoff(str(url), probe=(lambda: s3http.endpoint_problem(storage_options)) if s3 else None, **kw)
 
 
+_endpoint_ok: set[str] = set()
+"""Storage options (opts_key) whose endpoint connected in this process (or its forking parent)."""
+
+
+def _endpoint_checked(url: str, storage_options: dict | None) -> None:
+    """Before the first s3fs filesystem for these options, while no read has had an answer: one connect to the
+    endpoint (s3http.endpoint_problem, ~1 ms on loopback). An endpoint that cannot be talked to raises
+    EndpointUnreachable in one line at once (a refused one after FIRST_CONTACT_S of re-probing, for a server
+    still starting), instead of botocore and s3fs retrying it inside every call (~9 s each) until a traceback."""
+    okey = s3http.opts_key(storage_options)
+    if okey in _endpoint_ok or clock_answered():
+        return
+    t0 = time.monotonic()
+    while (problem := s3http.endpoint_problem(storage_options)) is not None:
+        message, may_start = problem
+        if not may_start or time.monotonic() - t0 > FIRST_CONTACT_S:
+            raise EndpointUnreachable(f"{url}: {message}", url)
+        time.sleep(0.5)
+    _endpoint_ok.add(okey)
+
+
 def is_local(url: str | os.PathLike) -> bool:
     """True for plain paths and `file://` URLs (atomic rename is available there)."""
     return _protocol(str(url)) in ("file", "local")
@@ -105,6 +130,7 @@ def fs_and_path(url: str | os.PathLike, storage_options: dict | None = None) -> 
     url = str(url)
     opts = dict(storage_options or {})
     if _protocol(url) in ("s3", "s3a"):
+        _endpoint_checked(url, storage_options)
         for k, v in _S3_DEFAULTS.items():
             opts.setdefault(k, v)
         config = dict(opts.get("config_kwargs") or {})

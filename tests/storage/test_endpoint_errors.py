@@ -23,17 +23,17 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _inspect(endpoint: str) -> tuple[float, subprocess.CompletedProcess]:
+def _cli(endpoint: str, *args: str) -> tuple[float, subprocess.CompletedProcess]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(PYTHONPATH=str(ROOT), AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s", AWS_ENDPOINT_URL=endpoint)
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "shardtrain", "inspect", "s3://bkt/ds"], capture_output=True,
-                       text=True, env=env, timeout=150)
+    p = subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True, env=env,
+                       timeout=150)
     return time.monotonic() - t0, p
 
 
-def _error_line(p: subprocess.CompletedProcess) -> str:
-    lines = [x for x in p.stderr.splitlines() if x.startswith("inspect: error")]
+def _error_line(p: subprocess.CompletedProcess, command: str = "inspect") -> str:
+    lines = [x for x in p.stderr.splitlines() if x.startswith(f"{command}: error")]
     assert p.returncode != 0 and len(lines) == 1, p.stderr[-3000:]
     return lines[0]
 
@@ -49,10 +49,21 @@ def test_wrong_endpoints_are_named_within_20_s(s3):
         "http://no-such-host.invalid:8333": ("does not resolve", "no-such-host.invalid", "host name"),
     }
     for endpoint, words in cases.items():
-        took, p = _inspect(endpoint)
+        took, p = _cli(endpoint, "inspect", "s3://bkt/ds")
         line = _error_line(p)
         assert took < 20 and all(w in line for w in words), (endpoint, took, line)
         assert "stall" not in line and "retry budget" not in line, line
+
+
+@pytest.mark.slow
+def test_pack_to_a_closed_port_is_named_within_20_s(tmp_path):
+    """pack's first S3 call is its lock, outside any read's retry loop: the endpoint check covers it too."""
+    from shardtrain.testing.corpus import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", [0.5, 0.6], seed=0)
+    took, p = _cli(f"http://127.0.0.1:{_closed_port()}", "pack", str(corpus), "s3://bkt/ds", "--no-progress")
+    line = _error_line(p, "pack")
+    assert took < 20 and "connection refused" in line and "Traceback" not in p.stderr, (took, p.stderr[-2000:])
 
 
 def test_no_endpoint_set_is_named_with_what_to_set(monkeypatch):
