@@ -19,7 +19,7 @@ choices:
   at the budget with one line naming the URL and the cause. On the s3fs path the budget bounds each call.
   Until an S3 endpoint has answered once in the process, the first s3fs filesystem for it and every failed read
   probe it (s3http.endpoint_problem): an unresolvable host or https against plain HTTP is named at once, a refused
-  connection after ~5 s (FIRST_CONTACT_S), in one line, from every command (pack's lock, inspect, train).
+  connection after ~2 s (FIRST_CONTACT_S), in one line, from every command (pack's lock, inspect, train).
 - Credentials: missing or refused ones raise `CredentialsError` at once (never retried), naming what to set.
   Neither path follows an HTTP redirect, so no signed request reaches another host (storage.noredirect).
 - `iter_range(..., direct_http=True)` (the loader's hot path), `read_bytes` and `open_ranged` with the same flag

@@ -41,9 +41,9 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
 server certificate the trust store rejects)."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, http.client.HTTPException)
 """Network errors worth retrying: refused/reset/aborted connections, timeouts, a response cut short."""
-FIRST_CONTACT_S = 5.0
+FIRST_CONTACT_S = 2.0
 """Before any read in the process got an answer, the time a read waits for a refused endpoint to start listening.
-A wrong endpoint is then named within ~5 s of the read's start; the full budget is for servers that answered once
+A wrong endpoint is then named within ~2 s of the read's start; the full budget is for servers that answered once
 and went slow or away."""
 FIRST_CALL_S = 3.0
 """The most one call may take while the endpoint is unproven: botocore and s3fs retry a refused or unresolvable
