@@ -17,7 +17,8 @@ from shardtrain.cli.common import _parse_storage_options
 # ---- transcribe / evaluate / export (owner: infer) ----------------------------------------------
 def _add_checkpoint_args(p) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="run directory (the --out of `shardtrain train`) or one checkpoints/step_NNNNNN directory")
+                   help="run directory or s3:// URL (the --out of `shardtrain train`) or one "
+                        "checkpoints/step_NNNNNN directory")
     p.add_argument("--which", choices=("latest", "best"), default="latest",
                    help="with a run directory: the newest checkpoint or the one with the lowest val_loss")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
@@ -45,6 +46,9 @@ def _add_input_args(p) -> None:
     p.add_argument("--source-format", default="auto",
                    help="input layout when not a packed dataset, as for `shardtrain pack` (default auto)")
     p.add_argument("--text-column", default=None, help="transcript column of a Hugging Face dataset input")
+    p.add_argument("--split", default=None, metavar="NAME",
+                   help="split of a Hugging Face DatasetDict input (a folder with dataset_dict.json), e.g. test; "
+                        "required for such a folder (the error lists its splits)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -82,7 +86,7 @@ def _resolve_inputs(urls: list[str], args, storage_options: dict | None) -> list
             continue
         items, rejects = [], []
         try:
-            for x in iter_items(url, fmt, storage_options, text_column=args.text_column):
+            for x in iter_items(url, fmt, storage_options, text_column=args.text_column, split=args.split):
                 if isinstance(x, Reject):
                     rejects.append((x.id or x.path, x.reason))
                 else:
@@ -99,10 +103,10 @@ def _trained_model(args):
     from shardtrain.infer.checkpoint_model import load_trained
     from shardtrain.infer.transcribe import TranscribeConfig
 
-    tm = load_trained(args.checkpoint, device=args.device, which=args.which)
+    storage_options = _parse_storage_options(args.storage_option) or None
+    tm = load_trained(args.checkpoint, device=args.device, which=args.which, storage_options=storage_options)
     cfg = TranscribeConfig(max_batch_seconds=args.max_batch_seconds, window_seconds=args.window_seconds,
-                           progress=not args.no_progress,
-                           storage_options=_parse_storage_options(args.storage_option) or None)
+                           progress=not args.no_progress, storage_options=storage_options)
     return tm, cfg
 
 
@@ -204,10 +208,13 @@ def _add_export(sub) -> None:
                        description="ONNX graph from raw 16 kHz audio (feature front end inside) to CTC log-probs, "
                                    "dynamic batch and time axes; --quantize int8 adds OUT.int8.onnx (ONNX Runtime "
                                    "dynamic quantization).")
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoints/step_NNNNNN directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="run directory or s3:// URL, or one checkpoints/step_NNNNNN directory")
     p.add_argument("out", metavar="OUT.onnx", help="output file")
     p.add_argument("--which", choices=("latest", "best"), default="latest", help="checkpoint of a run directory")
     p.add_argument("--quantize", choices=("int8",), default=None, help="also write an int8 model beside OUT")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option for an s3:// checkpoint")
     p.add_argument("--no-features", action="store_true",
                    help="export the encoder alone (input: log-mel feats + feat_lengths), without the front end")
     p.set_defaults(func=_cmd_export)
@@ -218,7 +225,8 @@ def _cmd_export(args) -> int:
     from shardtrain.infer.export import export_onnx
 
     try:
-        tm = load_trained(args.checkpoint, device="cpu", which=args.which, qat=False)
+        tm = load_trained(args.checkpoint, device="cpu", which=args.which, qat=False,
+                          storage_options=_parse_storage_options(args.storage_option) or None)
         r = export_onnx(tm, args.out, with_features=not args.no_features, quantize=args.quantize)
     except (CheckpointError, ValueError) as e:
         print(f"export: error: {e}", file=sys.stderr)

@@ -16,11 +16,15 @@ A run directory resolves to its newest committed checkpoint (`which="latest"`) o
 validation loss (`which="best"`). The config is rebuilt from the checkpoint's own meta.json (not the run's
 config.json, which a later `--resume` with other flags may have rewritten), so the features and the model
 are those the weights were trained with. Loading reads tensors only (`weights_only=True`).
+A run written to an object store (`--out s3://bucket/run`) is read through shardtrain.storage: its committed steps
+(meta.json present, train.checkpoint's protocol) are listed, and meta.json, vocab.json and model.pt are fetched
+whole (one GET each; no local copy). Its path stays a URL string (never a Path, which would fold `s3://` to `s3:/`).
 A model trained with `train.qat=true` is rebuilt with its fake-quant layers (PyTorch inference then matches
 the int8 arithmetic it was trained for); `qat=False` loads the same weights into the float model.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -30,6 +34,8 @@ from typing import cast
 
 import torch
 
+from shardtrain import storage
+from shardtrain.train import checkpoint as run_checkpoints
 from shardtrain.train.augment import resample
 from shardtrain.train.config import RunConfig
 from shardtrain.train.features import log_mel, normalize
@@ -97,6 +103,45 @@ def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
     return min(scored)[2]
 
 
+def find_remote_checkpoint(url: str, which: str = "latest", storage_options: dict | None = None) -> str:
+    """`find_checkpoint` for an object-store URL (a run's --out, its checkpoints/ or one step_NNNNNN): the URL of a
+    committed step. Costs a listing per step folder (train.checkpoint.list_checkpoints) and, for `best`, a
+    meta.json per step."""
+    if which not in ("latest", "best"):
+        raise CheckpointError(f"which must be 'latest' or 'best', got {which!r}")
+    url = url.rstrip("/")
+    names = storage.ls_names(url, storage_options)
+    if "meta.json" in names and "model.pt" in names:
+        return url
+    root = storage.join(url, "checkpoints") if "checkpoints" in names else url
+    steps = run_checkpoints.list_checkpoints(root, storage_options)
+    if not steps:
+        raise CheckpointError(f"{url}: no committed checkpoint here (no checkpoints/step_NNNNNN/meta.json); pass the "
+                              "--out of `shardtrain train` or one of its step_NNNNNN folders")
+    if which == "latest":
+        return str(steps[-1][1])
+    scored = [(m["val_loss"], s, str(d)) for s, d in steps
+              if (m := run_checkpoints.read_meta(d, storage_options)).get("val_loss") is not None]
+    if not scored:
+        raise CheckpointError(f"{url}: no checkpoint has a validation loss; use which='latest'")
+    return min(scored)[2]
+
+
+def _remote_parts(step: str, storage_options: dict | None) -> tuple[dict, Tokenizer, dict]:
+    """(meta, tokenizer, model state_dict) of a committed step on an object store."""
+    def load(url: str) -> dict:
+        return torch.load(io.BytesIO(storage.read_bytes(url, storage_options)), map_location="cpu", weights_only=True)
+
+    meta = run_checkpoints.read_meta(step, storage_options)  # type: ignore[arg-type]
+    run = step.rstrip("/").rsplit("/", 2)[0]
+    vocab = storage.join(run, "vocab.json")
+    if storage.exists(vocab, storage_options):
+        tok = tokenizer_from_json(json.loads(storage.read_bytes(vocab, storage_options)))
+    else:
+        tok = tokenizer_from_json(load(storage.join(step, "train_state.pt"))["tokenizer"])
+    return meta, tok, load(storage.join(step, "model.pt"))
+
+
 def _tokenizer(step_dir: Path) -> Tokenizer:
     vocab = step_dir.parent.parent / "vocab.json"
     if vocab.is_file():
@@ -125,7 +170,8 @@ class TrainedModel:
     tokenizer: Tokenizer
     config: RunConfig
     step: int
-    path: Path
+    path: Path | str
+    """The step folder or .ckpt file; a URL string for a run on an object store."""
     device: torch.device
     _mel: dict = field(default_factory=dict, repr=False)
 
@@ -174,11 +220,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_trained(path: str | Path, *, device: str = "cpu", which: str = "latest",
-                 qat: bool | None = None) -> TrainedModel:
-    """Load a checkpoint (step dir) or a run dir's latest/best one. `qat`: None = as trained (`train.qat`),
-    False = the float model (what ONNX export wants), True = force fake-quant layers. Cost: one torch.load."""
-    step_dir = find_checkpoint(path, which)
-    if step_dir.suffix == ".ckpt":
+                 qat: bool | None = None, storage_options: dict | None = None) -> TrainedModel:
+    """Load a checkpoint (step dir) or a run dir's latest/best one, local or on an object store (`storage_options`
+    for it). `qat`: None = as trained (`train.qat`), False = the float model (what ONNX export wants), True = force
+    fake-quant layers. Cost: one torch.load (plus the GETs of a remote run)."""
+    step_dir: Path | str
+    if not storage.is_local(str(path)):
+        step_dir = find_remote_checkpoint(str(path), which, storage_options)
+        meta, tok, state = _remote_parts(step_dir, storage_options)
+    elif (step_dir := find_checkpoint(path, which)).suffix == ".ckpt":
         meta, tok, state = _lightning_parts(step_dir)
     else:
         meta = json.loads((step_dir / "meta.json").read_text())

@@ -13,7 +13,7 @@ only by resampling noise elsewhere. Cost: one session.run per call plus an argma
 
     from shardtrain.infer.onnx_runtime import OnnxRecognizer
     rec = OnnxRecognizer("model.onnx")
-    wave, rate = soundfile.read("utt.flac", dtype="float32")
+    wave, rate = soundfile.read("utt.flac", dtype="float32")   # [T] mono or [T, C]: channels are averaged
     print(rec.transcribe(wave[None, :], np.array([len(wave)]), rate))
 """
 from __future__ import annotations
@@ -111,13 +111,16 @@ class OnnxRecognizer:
         return int(self.features.get("sample_rate_hz", 16000))
 
     def log_probs(self, waves: Any, lengths: Any, rate_hz: int) -> tuple[np.ndarray, np.ndarray]:
-        """waves [B, T] (or [T]) float at `rate_hz` -> (log_probs [B, T', V], out_lengths [B]) as numpy. numpy
-        arrays, lists and CPU torch tensors are all taken (np.asarray)."""
+        """waves [B, T] (or [T], or [B, T, channels], averaged to mono as the trainer's decoder does) float at
+        `rate_hz` -> (log_probs [B, T', V], out_lengths [B]) as numpy. numpy arrays, lists and CPU torch tensors
+        are all taken (np.asarray)."""
         if self.input_kind != "waves":
             raise ValueError(f"{self.path} takes features, not audio (exported with --no-features)")
         w = np.asarray(waves, dtype=np.float32)
         if w.ndim == 1:
             w = w[None, :]
+        elif w.ndim == 3:  # [B, T, channels]: soundfile's multichannel [T, C] under `wave[None, :]`: downmix
+            w = w.mean(axis=2, dtype=np.float32)
         n = np.asarray(lengths, dtype=np.int64).reshape(-1)
         w, n = resample_np(w, n, int(rate_hz), self.sample_rate_hz)
         if w.shape[1] < MIN_SAMPLES:

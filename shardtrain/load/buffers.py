@@ -18,6 +18,7 @@ fragments (peak RSS on the 4k benchmark corpus 716 -> 701 MB).
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import threading
 import weakref
@@ -58,7 +59,7 @@ class BatchBuffers:
             elif self._free:  # none holds it: give one back to the system, so blocks never outnumber batches
                 self._free.pop(max(range(len(self._free)), key=lambda i: len(self._free[i])))
         if block is None:
-            block = _new_block(-(-need // ROUND_BYTES) * ROUND_BYTES)
+            block = _new_block(-(-need // ROUND_BYTES) * ROUND_BYTES, rows, cols, dt)
             self.fresh += 1
         # Through a fresh memoryview: numpy makes it the base every view of `flat` keeps alive (over the block
         # itself, every view would keep the pooled block alive, which tells nothing)
@@ -80,10 +81,28 @@ class BatchBuffers:
             del self._free[min(range(len(self._free)), key=lambda i: len(self._free[i]))]
 
 
-def _new_block(nbytes: int) -> np.ndarray:
+def _new_block(nbytes: int, rows: int, cols: int, dt: np.dtype) -> np.ndarray:
     """`nbytes` of fresh private memory (zero pages until written), returned to the system when the last array
-    over it dies."""
+    over it dies. Out of memory (a `ulimit -v` or a container limit) is one line naming the allocation and the
+    knobs that shrink it (`_no_memory`), still an OSError(ENOMEM)."""
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if not flags:  # Windows: no flags; malloc it
-        return np.empty(nbytes, np.uint8)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
+    try:
+        if not flags:  # Windows: no flags; malloc it
+            return np.empty(nbytes, np.uint8)
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
+    except (MemoryError, OSError) as e:
+        if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+            raise
+        raise OSError(errno.ENOMEM, _no_memory(nbytes, rows, cols, dt)) from e
+
+
+def _no_memory(nbytes: int, rows: int, cols: int, dt: np.dtype) -> str:
+    if rows == 1 and dt == np.uint8:  # reader: one byte run of a shard (the rows of a chunk that sit together)
+        what = (f"a run of {cols / 1e6:.1f} MB of shard bytes (the rows read together; a long utterance makes "
+                f"it large): lower stream.bucket.chunk_mb")
+    else:
+        what = (f"a padded audio batch of {rows} utterances x {cols:,} samples {dt} (~{cols / 16000:.0f} s at "
+                f"16 kHz: the longest utterance sets the width): lower stream.bucket.max_batch_seconds, or drop "
+                f"very long utterances when packing (--max-duration-s)")
+    return (f"cannot allocate {nbytes / 1e6:.0f} MB for {what}; or raise the memory limit (ulimit -v, the "
+            f"container's or the job's memory)")

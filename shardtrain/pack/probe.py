@@ -20,7 +20,7 @@ import logging
 import io
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import soundfile as sf
@@ -46,10 +46,52 @@ _PROBE_BLOCK_BYTES = 1 << 18  # fsspec read-ahead for header probes: one small r
 
 
 # ---- opening --------------------------------------------------------------------------------------------------
+def id3v2_bytes(head: bytes) -> int:
+    """Length of the ID3v2 tag at the start of `head` (its first 10 bytes suffice), 0 when there is none."""
+    if len(head) < 10 or head[:3] != b"ID3" or head[3] == 0xFF or any(b & 0x80 for b in head[6:10]):
+        return 0
+    return 10 + (head[6] << 21 | head[7] << 14 | head[8] << 7 | head[9]) + (10 if head[5] & 0x10 else 0)
+
+
 @contextmanager
 def open_audio(path: str, storage_options: dict | None, block_size: int | None = None) -> Iterator[Any]:
     """A local path (soundfile opens it itself, fastest), an open fsspec file object, or the bytes of a
-    `#bytes=START-END` reference in a BytesIO."""
+    `#bytes=START-END` reference in a BytesIO.
+
+    An MP3 that starts with an ID3v2 tag comes as a BytesIO of the audio after the tag: libmpg123 prints "error:"
+    lines on stderr for tags valid files carry (a COMM or TXXX frame without a description), from inside
+    libsndfile where no flag quiets it, and redirecting fd 2 would silence the probe threads' neighbours too.
+    The tag is metadata only (samples, rate and the Xing/LAME length tag are in the MPEG frames), so the audio
+    is unchanged; errors in the frames themselves still print and fail as before. Cost: the file read into
+    memory, which the MP3 length check does anyway."""
+    with _open_audio(path, storage_options, block_size) as src:
+        if not _looks_mp3(path):
+            yield src
+            return
+        if isinstance(src, str):
+            with open(src, "rb") as f:
+                head = f.read(10)
+        elif isinstance(src, io.BytesIO):
+            head = src.getvalue()[:10]
+        else:
+            head = src.read(10)
+            src.seek(0)
+        skip = id3v2_bytes(head)
+        if not skip:
+            yield src
+            return
+        if isinstance(src, io.BytesIO):
+            data = src.getvalue()
+        else:
+            with (open(src, "rb") if isinstance(src, str) else nullcontext(src)) as f:
+                data = f.read(MAX_AUDIO_BYTES + 1)
+        if len(data) > MAX_AUDIO_BYTES:
+            raise InputFileError("too_large", path, f"more than the {MAX_AUDIO_BYTES} bytes allowed")
+        yield io.BytesIO(data[skip:])
+
+
+@contextmanager
+def _open_audio(path: str, storage_options: dict | None, block_size: int | None = None) -> Iterator[Any]:
     ranged = read_byte_range(path, storage_options)
     if ranged is not None:
         yield io.BytesIO(ranged)

@@ -30,6 +30,13 @@ from typing import Any
 
 PROGRESS_BYTES = 64 << 10
 """Bytes that count as progress (the clock's mark moves when this many more have arrived)."""
+_answered = False
+
+
+def answered() -> bool:
+    """True once any read in this process (or its forking parent) made progress: the storage endpoint works, so
+    a later refused connection is a restart to ride out, not a wrong endpoint (storage.retry.Backoff)."""
+    return _answered
 
 
 class ProgressClock:
@@ -60,14 +67,16 @@ class ProgressClock:
         """`n` bytes arrived (hot path)."""
         self.pending += n
         if self.pending >= PROGRESS_BYTES:
+            global _answered
             self.pending = 0
-            self.got_any = True
+            self.got_any = _answered = True
             self.mark = time.monotonic()
 
     def done(self) -> None:
         """A response was read to its end: progress whatever its size."""
+        global _answered
         self.pending = 0
-        self.got_any = True
+        self.got_any = _answered = True
         self.mark = time.monotonic()
 
     def hold(self) -> float:

@@ -17,6 +17,9 @@ choices:
 - Time: one budget per read, of time without progress (storage.clock), covers waiting and retrying alike and is
   enforced while a request waits (connect, answer, body) on the direct path: a silent or trickling server is cut
   at the budget with one line naming the URL and the cause. On the s3fs path the budget bounds each call.
+  Until an S3 endpoint has answered once in the process, the first s3fs filesystem for it and every failed read
+  probe it (s3http.endpoint_problem): an unresolvable host or https against plain HTTP is named at once, a refused
+  connection after ~2 s (FIRST_CONTACT_S), in one line, from every command (pack's lock, inspect, train).
 - Credentials: missing or refused ones raise `CredentialsError` at once (never retried), naming what to set.
   Neither path follows an HTTP redirect, so no signed request reaches another host (storage.noredirect).
 - `iter_range(..., direct_http=True)` (the loader's hot path), `read_bytes` and `open_ranged` with the same flag
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -36,8 +40,10 @@ import fsspec
 import fsspec.implementations.local  # noqa: F401  (imported on first use otherwise: ~25 ms of the first batch)
 
 from shardtrain.storage import s3http
-from shardtrain.storage.retry import (RETRY_BUDGET_S, Backoff, CredentialsError, StorageUnavailable,  # noqa: F401
-                                      credentials_error, is_transient, refused_redirect)
+from shardtrain.storage.clock import answered as clock_answered
+from shardtrain.storage.retry import (FIRST_CONTACT_S, RETRY_BUDGET_S, Backoff, CredentialsError,  # noqa: F401
+                                      EndpointUnreachable, StorageUnavailable, credentials_error, is_transient,
+                                      refused_redirect)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,34 @@ def _s3fs_factory(url: str | os.PathLike, storage_options: dict | None):
     return lambda: fs_and_path(url, storage_options)[0]
 
 
+def _backoff(url: str | os.PathLike, storage_options: dict | None, **kw: Any) -> Backoff:
+    """A read's Backoff; an S3 read's probes the endpoint after a failure until the endpoint has answered once
+    (s3http.endpoint_problem), so a wrong endpoint is named in seconds."""
+    s3 = _protocol(str(url)) in ("s3", "s3a")
+    return Backoff(str(url), probe=(lambda: s3http.endpoint_problem(storage_options)) if s3 else None, **kw)
+
+
+_endpoint_ok: set[str] = set()
+"""Storage options (opts_key) whose endpoint connected in this process (or its forking parent)."""
+
+
+def _endpoint_checked(url: str, storage_options: dict | None) -> None:
+    """Before the first s3fs filesystem for these options, while no read has had an answer: one connect to the
+    endpoint (s3http.endpoint_problem, ~1 ms on loopback). An endpoint that cannot be talked to raises
+    EndpointUnreachable in one line at once (a refused one after FIRST_CONTACT_S of re-probing, for a server
+    still starting), instead of botocore and s3fs retrying it inside every call (~9 s each) until a traceback."""
+    okey = s3http.opts_key(storage_options)
+    if okey in _endpoint_ok or clock_answered():
+        return
+    t0 = time.monotonic()
+    while (problem := s3http.endpoint_problem(storage_options)) is not None:
+        message, may_start = problem
+        if not may_start or time.monotonic() - t0 > FIRST_CONTACT_S:
+            raise EndpointUnreachable(f"{url}: {message}", url)
+        time.sleep(0.5)
+    _endpoint_ok.add(okey)
+
+
 def is_local(url: str | os.PathLike) -> bool:
     """True for plain paths and `file://` URLs (atomic rename is available there)."""
     return _protocol(str(url)) in ("file", "local")
@@ -96,6 +130,7 @@ def fs_and_path(url: str | os.PathLike, storage_options: dict | None = None) -> 
     url = str(url)
     opts = dict(storage_options or {})
     if _protocol(url) in ("s3", "s3a"):
+        _endpoint_checked(url, storage_options)
         for k, v in _S3_DEFAULTS.items():
             opts.setdefault(k, v)
         config = dict(opts.get("config_kwargs") or {})
@@ -183,8 +218,8 @@ def read_bytes(url: str | os.PathLike, storage_options: dict | None = None, *, d
     if _direct_s3_key(url, direct_http, storage_options) is not None:
         return read_range(url, 0, None, storage_options, direct_http=True, budget_s=budget_s)
     fs, path = fs_and_path(url, storage_options)
-    backoff = Backoff(str(url), budget_s=budget_s)
-    return _with_retry(lambda: _call(fs, "cat_file", path, budget_s=backoff.clock.remaining()), url, backoff)
+    backoff = _backoff(url, storage_options, budget_s=budget_s)
+    return _with_retry(lambda: _call(fs, "cat_file", path, budget_s=backoff.call_budget()), url, backoff)
 
 
 def atomic_write_bytes(url: str | os.PathLike, data: bytes, storage_options: dict | None = None) -> None:
@@ -261,10 +296,10 @@ def _fetcher(url: str | os.PathLike, end: int | None, storage_options: dict | No
         return fetch_http, end
     fs, path = fs_and_path(url, storage_options)
     if end is None:
-        end = _with_retry(lambda: int(_call(fs, "size", path, budget_s=clock.remaining())), url, backoff)
+        end = _with_retry(lambda: int(_call(fs, "size", path, budget_s=backoff.call_budget())), url, backoff)
 
     def fetch_fs(a: int, b: int) -> Iterator[bytes]:
-        piece = _call(fs, "cat_file", path, start=a, end=b, budget_s=clock.remaining())
+        piece = _call(fs, "cat_file", path, start=a, end=b, budget_s=backoff.call_budget())
         if piece:
             clock.done()
         return iter((piece,) if piece else ())
@@ -300,7 +335,8 @@ def iter_range(
     """
     if start < 0 or (end is not None and end < start):
         raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
-    backoff = Backoff(str(url), budget_s=budget_s, retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+    backoff = _backoff(url, storage_options, budget_s=budget_s, retries=retries, backoff_s=backoff_s,
+                       max_backoff_s=max_backoff_s)
     fetch, end = _fetcher(url, end, storage_options, direct_http, backoff)
     pos = start
     while end is None or pos < end:  # end None: direct HTTP learns where the object ends from the responses
@@ -386,7 +422,7 @@ def open_ranged(url: str | os.PathLike, storage_options: dict | None = None, *, 
             return read_range(url, a, b, storage_options, direct_http=True, retries=retries, budget_s=budget_s,
                               backoff_s=backoff_s)
 
-        backoff = Backoff(str(url), budget_s=budget_s, retries=retries, backoff_s=backoff_s)
+        backoff = _backoff(url, storage_options, budget_s=budget_s, retries=retries, backoff_s=backoff_s)
         return _with_retry(lambda: s3http.RangeFile(key, storage_options, _s3fs_factory(url, storage_options), block,
                                                     clock=backoff.clock), url, backoff)
     fs, path = fs_and_path(url, storage_options)
@@ -406,7 +442,9 @@ def _with_retry(fn, url, backoff: Backoff):
     while True:
         try:
             with _credentials(url):
-                return fn()
+                out = fn()
+            backoff.clock.done()  # an answer: the endpoint works (storage.clock.answered)
+            return out
         except Exception as e:  # noqa: BLE001 - is_transient sorts them
             if not is_transient(e):
                 raise

@@ -2,21 +2,26 @@
 
     is_transient(e)          connection refused/reset, timeouts, HTTP 5xx/408/429 -> retry; the rest raises at once
     credentials_error(e)     missing or refused S3 credentials -> CredentialsError naming what to set (never retried:
-                             no wait makes a missing key appear)
+                             no wait makes a missing key appear); a refusal for this machine's clock (S3's
+                             RequestTimeTooSkewed, or a 403 whose Date header is minutes away) -> ClockSkewError
     Backoff(clock)           jittered exponential waits under one time budget without progress (storage.clock)
     StorageUnavailable       the budget ran out; the message names the URL and the cause (refused, stall, trickle)
+    EndpointUnreachable      the endpoint never answered and cannot be talked to (unresolvable host, TLS against
+                             plain HTTP, nothing listening): named within FIRST_CONTACT_S, not after the budget
 """
 from __future__ import annotations
 
+import email.utils
 import http.client
 import logging
 import random
 import re
 import ssl
 import time
+from typing import Callable
 
 from shardtrain.storage import s3http
-from shardtrain.storage.clock import ProgressClock
+from shardtrain.storage.clock import ProgressClock, answered
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,14 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
 server certificate the trust store rejects)."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, http.client.HTTPException)
 """Network errors worth retrying: refused/reset/aborted connections, timeouts, a response cut short."""
+FIRST_CONTACT_S = 2.0
+"""Before any read in the process got an answer, the time a read waits for a refused endpoint to start listening.
+A wrong endpoint is then named within ~2 s of the read's start; the full budget is for servers that answered once
+and went slow or away."""
+FIRST_CALL_S = 3.0
+"""The most one call may take while the endpoint is unproven: botocore and s3fs retry a refused or unresolvable
+endpoint inside one call for ~9 s before the probe can say why. A server slower than this to its first answer
+costs one cut request, then the probe finds it connects and the full budget applies."""
 _NETWORK_MODULES = ("aiohttp", "botocore", "aiobotocore", "urllib3", "s3fs")
 _jitter = random.Random()  # not data: backoff jitter only, so concurrent readers do not retry in lockstep
 
@@ -55,8 +68,47 @@ class StorageUnavailable(OSError):
         self.url = url
 
 
+CLOCK_HELP = ("sync this machine's clock (NTP: `timedatectl set-ntp true`, chrony or ntpd); S3 refuses requests "
+              "signed more than 15 minutes away from its own time")
+SKEW_TOLERANCE_S = 300.0
+"""A 403 whose Date header is this far from the local clock is blamed on the clock, not the keys (S3 allows 15 min;
+a refusal from a server 5+ minutes away is that, whatever the body did not say)."""
+
+
+class EndpointUnreachable(StorageUnavailable):
+    """The storage endpoint cannot be talked to at all (s3http.endpoint_problem): a wrong endpoint, not a slow one."""
+
+
 class CredentialsError(PermissionError):
     """S3 credentials are missing or the server refused them: one line naming what to set; never retried."""
+
+
+class ClockSkewError(CredentialsError):
+    """The server refused a request because this machine's clock is off: keys are fine, the clock must change."""
+
+
+def _server_skew_s(e: BaseException) -> float | None:
+    """Local clock minus the server's (its Date header, on a botocore ClientError), or None when not known."""
+    resp = getattr(e, "response", None)
+    headers = (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {} if isinstance(resp, dict) else {}
+    try:
+        return time.time() - email.utils.parsedate_to_datetime(headers["date"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _clock_skew_error(err: BaseException, code: str | None, where: str) -> ClockSkewError | None:
+    skew = _server_skew_s(err)
+    named = code == "RequestTimeTooSkewed" or "RequestTimeTooSkewed" in str(err)
+    if not named and not (code in ("403", "Forbidden", "AccessDenied", "SignatureDoesNotMatch")
+                          and skew is not None and abs(skew) > SKEW_TOLERANCE_S):
+        return None
+    how = "" if skew is None else (f" by {abs(skew) / 60:.0f} min ({'behind' if skew < 0 else 'ahead of'} the "
+                                   f"server's Date header, {time.strftime('%H:%M:%S', time.gmtime(time.time() - skew))}"
+                                   f" UTC; here {time.strftime('%H:%M:%S', time.gmtime())} UTC)")
+    reason = "RequestTimeTooSkewed" if named else "HTTP 403" + (f" {code}" if code not in ("403", "Forbidden") else "")
+    return ClockSkewError(f"{where}the server refused the request because this machine's clock is off{how}, not "
+                          f"the keys ({reason}): {CLOCK_HELP}")
 
 
 def _chain(e: BaseException):
@@ -83,6 +135,9 @@ def credentials_error(e: BaseException, url: str = "") -> CredentialsError | Non
         if name in _MISSING:
             return CredentialsError(f"{where}no usable S3 credentials ({name}: {err}); {CREDENTIALS_HELP}")
         code = _error_code(err)
+        skewed = _clock_skew_error(err, code, where)
+        if skewed is not None:
+            return skewed
         if code in ("403", "Forbidden"):  # a HEAD has no body to say why: bad keys or a policy, both refusals
             return CredentialsError(f"{where}the server refused access (HTTP 403, no reason given): the S3 "
                                     f"credentials are wrong or expired, or not allowed here (check the bucket "
@@ -149,19 +204,44 @@ class Backoff:
 
     Each wait is uniform in [0.5, 1] x min(max_backoff_s, backoff_s * 2**k) (k failures in a row since the last
     progress), never past the deadline, so an outage costs at most ~max_backoff_s after the server is back.
-    `retries` (None: no limit) also caps the failures in a row."""
+    `retries` (None: no limit) also caps the failures in a row.
+
+    `probe` (s3http.endpoint_problem for S3 reads) runs after a failure while no read in the process has had an
+    answer yet: an endpoint that cannot be reached raises EndpointUnreachable at once (a refused one after
+    FIRST_CONTACT_S), so a wrong endpoint costs seconds, not the budget."""
 
     def __init__(self, url: str, *, budget_s: float = RETRY_BUDGET_S, retries: int | None = None,
-                 backoff_s: float = 0.2, max_backoff_s: float = 5.0, clock: ProgressClock | None = None):
+                 backoff_s: float = 0.2, max_backoff_s: float = 5.0, clock: ProgressClock | None = None,
+                 probe: Callable[[], tuple[str, bool] | None] | None = None):
         self.url, self.budget_s, self.retries = str(url), budget_s, retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.clock = clock or ProgressClock(self.url, budget_s)
         self.failures, self._mark = 0, self.clock.mark
+        self.probe, self._started = probe, time.monotonic()
+
+    def call_budget(self) -> float:
+        """Time the next call may take: what is left of the budget, and at most FIRST_CALL_S while the endpoint is
+        unproven (a probe pending and no answer yet in this process)."""
+        left = self.clock.remaining()
+        return min(left, FIRST_CALL_S) if self.probe is not None and not answered() else left
+
+    def _check_endpoint(self, e: BaseException) -> None:
+        if self.probe is None or answered():
+            return
+        problem = self.probe()
+        if problem is None:  # the endpoint connects: a slow or failing server, which the budget is for
+            self.probe = None
+            return
+        message, may_start = problem
+        if may_start and time.monotonic() - self._started + self.call_budget() < FIRST_CONTACT_S:
+            return  # another try ends inside the window: the server may be starting
+        raise EndpointUnreachable(f"reading {self.url}: {message}", self.url) from e
 
     def wait(self, e: BaseException, where: str) -> None:
         """Sleep before the next try after transient error `e`, or raise StorageUnavailable when out of budget."""
         clock = self.clock
         clock.last_error = e
+        self._check_endpoint(e)
         if clock.mark != self._mark:  # bytes arrived since the last failure: a new streak
             self.failures, self._mark = 0, clock.mark
         self.failures += 1
@@ -176,5 +256,5 @@ class Backoff:
         delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self.failures - 1)) * _jitter.uniform(0.5, 1.0)
         delay = max(0.0, min(delay, left))
         log.warning("read %s %s failed (%s); retry %d in %.2fs (%.0f of %g s budget left)",
-                    self.url, where, e, self.failures, delay, left, self.budget_s)
+                    self.url, where, str(e) or type(e).__name__, self.failures, delay, left, self.budget_s)
         time.sleep(delay)

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import re
+import socket
 import ssl
 import threading
 import time
@@ -230,6 +231,59 @@ def _connection(parts: urllib.parse.SplitResult, storage_options: dict | None = 
             conn = http.client.HTTPConnection(parts.hostname or "", parts.port)
         pool[key] = conn
     return conn
+
+
+AWS_DEFAULT_ENDPOINT = "https://s3.amazonaws.com"
+"""Where botocore goes when no endpoint is set (a regional name in practice; the same answer for a probe)."""
+
+
+def endpoint_url(storage_options: dict | None) -> str | None:
+    """The endpoint an S3 request goes to: the options' `endpoint_url`, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
+    (botocore reads them too, so this names the same place), else None (AWS's default)."""
+    so = storage_options or {}
+    return ((so.get("client_kwargs") or {}).get("endpoint_url") or so.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None)
+
+
+def endpoint_problem(storage_options: dict | None, timeout_s: float = 5.0) -> tuple[str, bool] | None:
+    """(why the endpoint cannot be talked to at all, whether waiting could fix it), or None when a TCP connection
+    (and a TLS handshake for https) succeeds, so a failure is the server's answer or its slowness.
+
+    Tells apart what a retry budget cannot: a host name that does not resolve, a TLS handshake with a server that
+    speaks plain HTTP, and a refused connection (nothing listens: a wrong port, or a server still starting, the
+    one case where waiting helps). Costs one resolve and one connect (~1 ms on loopback), only after a failure.
+    A certificate the trust store rejects and a connect that times out are left to the caller (None)."""
+    ep = endpoint_url(storage_options)
+    if "proxy" in (direct_unsupported(storage_options) or ""):
+        return None  # requests go through a proxy: a direct probe would test another path
+    parts = urllib.parse.urlsplit(ep or AWS_DEFAULT_ENDPOINT)
+    host, https = parts.hostname or "", parts.scheme == "https"
+    port = parts.port or (443 if https else 80)
+    where = f"the S3 endpoint {ep}" if ep else (f"the default AWS S3 endpoint {AWS_DEFAULT_ENDPOINT} (no endpoint is "
+                                                f"set: for another S3 server set AWS_ENDPOINT_URL or "
+                                                f"--storage-option endpoint_url=URL)")
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except socket.gaierror as e:
+        return (f"{where} names a host that does not resolve ({host}: {e.strerror}): check the host name "
+                f"in the endpoint", False)
+    except ConnectionRefusedError:
+        return (f"connection refused by {where}: nothing listens on {host}:{port}; check the endpoint's port "
+                f"(or start the server)", True)
+    except OSError:
+        return None  # a timeout or an unreachable network: the retry budget decides
+    with sock:
+        if not https:
+            return None
+        try:
+            _tls_context(storage_options).wrap_socket(sock, server_hostname=host).close()
+        except ssl.SSLCertVerificationError:
+            return None
+        except (ssl.SSLError, ConnectionResetError) as e:
+            return (f"TLS handshake with {where} failed ({getattr(e, 'reason', None) or e}): the server on "
+                    f"{host}:{port} does not speak https; use http://{parts.netloc} if it serves plain HTTP, or "
+                    f"check the port", False)
+    return None
 
 
 def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> None:

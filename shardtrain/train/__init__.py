@@ -24,6 +24,7 @@
     normalize.py   transcript normalisation, applied the same way wherever text meets the model
     runfiles.py    the run folder's files (config.json, vocab.json, metrics.jsonl) and an s3:// --out's mirror
     tune.py        `shardtrain tune`: the largest batch per duration bucket that fits the memory target
+    preempt.py     SIGTERM/SIGUSR1/Ctrl-C -> a flag every rank agrees on at a step boundary -> checkpoint, exit 75
     guards.py      what never reaches the weights: non-finite steps, CTC-impossible targets, NaN checkpoints
     update.py      one optimiser step over a step's micro-batches, surviving an out-of-memory error inside it
 """

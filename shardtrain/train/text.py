@@ -10,8 +10,10 @@ needs no tokenizer step. Every tokenizer carries the run's text normaliser (trai
 punctuation, whitespace) and applies it in `encode` and when building the vocabulary; `to_json` stores it, so a
 checkpoint decodes and scores with the normaliser it was trained with (none stored: the legacy whitespace-only one).
 Characters missing from the vocabulary (only possible in validation text) are dropped from targets and counted;
-training warns about them once per validation set at start (valsets.warn_missing_chars). SentencePiece is optional:
-it is used only when asked for, and raises a clear error when the package is not installed.
+training warns about them once per validation set at start (valsets.warn_missing_chars). SentencePiece is optional
+(extra `[sentencepiece]`): used only when asked for (`train.tokenizer=sentencepiece`, `train.sentencepiece_model`),
+and a clear error names the extra when the package is missing. Its ids are the model's plus one (0 is the blank);
+the checkpoint stores the model file's path, so that file must stay readable for resume and inference.
 """
 from __future__ import annotations
 
@@ -104,8 +106,8 @@ class SentencePieceVocab:
             import sentencepiece as spm
         except ImportError as e:  # optional dependency
             raise RuntimeError(
-                "train.tokenizer=sentencepiece needs the `sentencepiece` package: pip install sentencepiece "
-                "(or use train.tokenizer=char)"
+                "train.tokenizer=sentencepiece needs the `sentencepiece` package: pip install "
+                "'shardtrain[sentencepiece]' (or use train.tokenizer=char)"
             ) from e
         self.model_path = model_path
         self._sp = spm.SentencePieceProcessor(model_file=model_path)

@@ -203,3 +203,57 @@ def test_markdown_cells_are_escaped():
     assert rows[2].replace("\\|", "").count("|") == header_cells  # the dataset row keeps its columns
     worst = rows[-1].replace("\\|", "")
     assert worst.count("|") == 5 and "\\n" in rows[-1]  # 4 cells; the newline is visible, not a line break
+
+
+def test_dataset_dict_takes_split_in_transcribe_and_evaluate(run_dir, tmp_path, capsys):
+    """A DatasetDict folder needs a split: the error says --split, and --split exists on both commands."""
+    import io
+
+    import datasets
+
+    def wav(i: int) -> bytes:
+        b = io.BytesIO()
+        sf.write(b, _noise(1.0, i), 16000, format="WAV")
+        return b.getvalue()
+
+    dd = datasets.DatasetDict({name: datasets.Dataset.from_dict(
+        {"audio": [{"bytes": wav(i), "path": f"{name}{i}.wav"} for i in range(n)], "text": ["a b"] * n})
+        .cast_column("audio", datasets.Audio(decode=False)) for name, n in (("train", 1), ("test", 2))})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    capsys.readouterr()
+    assert main(["transcribe", str(run_dir), str(tmp_path / "dd"), "--no-progress"]) == 2
+    assert "--split NAME" in capsys.readouterr().err
+    out = tmp_path / "hyp.jsonl"
+    assert main(["transcribe", str(run_dir), str(tmp_path / "dd"), "--split", "test", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert len(_rows(out)) == 2
+    res = tmp_path / "eval.json"
+    main(["evaluate", str(run_dir), "--data", str(tmp_path / "dd"), "--split", "test", "--out", str(res),
+          "--no-progress"])
+    assert json.loads(res.read_text())["datasets"][str(tmp_path / "dd")]["utterances"] == 2
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_transcribe_evaluate_and_export_take_a_run_on_s3(run_dir, s3, s3_bucket, tmp_path, monkeypatch, capsys):
+    """A run trained with --out s3://... is used where it is: checkpoints read through storage, the URL intact."""
+    from shardtrain.train.loop import train
+    from shardtrain.world import World
+
+    url = f"{s3_bucket}/run"
+    cfg = apply_overrides(load_pipeline("tiny_cpu"), TINY + [f"train.data_url={run_dir.parent / 'data'}",
+                                                            f"train.out_dir={url}"])
+    train(cfg, World(), storage_options=s3.storage_options)
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)  # the CLI builds its storage options from AWS_* as a user's shell would hold them
+    sf.write(tmp_path / "a.wav", _noise(1.0, 3), 16000)
+    (tmp_path / "a.txt").write_text("one two")
+    out = tmp_path / "hyp.jsonl"
+    assert main(["transcribe", url, str(tmp_path / "a.wav"), "--out", str(out), "--no-progress"]) == 0
+    assert [r["key"] for r in _rows(out)] == ["a"]
+    res = tmp_path / "eval.json"
+    main(["evaluate", url, "--data", str(tmp_path), "--out", str(res), "--no-progress"])
+    assert json.loads(res.read_text())["checkpoint"] == f"{url}/checkpoints/step_000002"  # not s3:/...
+    capsys.readouterr()
+    assert main(["export", url, str(tmp_path / "m.onnx")]) == 0
+    assert (tmp_path / "m.onnx").stat().st_size > 0 and "s3:/" not in capsys.readouterr().out.replace("s3://", "")

@@ -62,3 +62,31 @@ def test_a_batch_freed_by_garbage_collection_inside_take_does_not_deadlock():
     finally:
         gc.enable()
     assert pool.free_blocks() == 1
+
+
+def test_a_memory_cap_names_the_allocation_and_the_knobs(tmp_path):
+    """Under a real address-space limit (`ulimit -v`, in a child), a 2-hour utterance's batch does not fit: the
+    error is one line with the size, what it was for and what to change, and still ENOMEM."""
+    import subprocess
+    import sys
+
+    child = (
+        "import errno, resource, sys\n"
+        "import numpy as np\n"
+        "from shardtrain.load.buffers import BatchBuffers\n"
+        "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    BatchBuffers(2).take(1, 2 * 3600 * 16000, np.float32)\n"
+        "except OSError as e:\n"
+        "    print(e.errno == errno.ENOMEM, e)\n"
+    )
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    out = p.stdout.strip()
+    assert p.returncode == 0 and out.startswith("True "), (out, p.stderr[-2000:])
+    assert "cannot allocate 461 MB" in out and "1 utterances x 115,200,000 samples" in out, out
+    assert "stream.bucket.max_batch_seconds" in out and "ulimit -v" in out and "\n" not in out, out

@@ -1,0 +1,35 @@
+"""The optional SentencePiece tokenizer (extra `[sentencepiece]`): a real model trained on a few lines round-trips
+through encode/decode and a checkpoint's JSON, 0 stays the blank. Without the package, the error names the extra
+(one of the two tests skips, visibly, depending on what is installed)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from shardtrain.train.text import BLANK, SentencePieceVocab, tokenizer_from_json
+
+HAVE_SPM = importlib.util.find_spec("sentencepiece") is not None
+
+
+@pytest.mark.skipif(not HAVE_SPM, reason="sentencepiece not installed: pip install 'shardtrain[sentencepiece]' "
+                                         "(the [test] extra includes it; re-run setup)")
+def test_sentencepiece_vocab_round_trips_and_keeps_blank_zero(tmp_path):
+    import sentencepiece as spm
+
+    lines = ["the cat sat on the mat", "a dog ran in the park", "one two three four five six seven"] * 20
+    (tmp_path / "text.txt").write_text("\n".join(lines) + "\n")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"),
+                                   vocab_size=30, character_coverage=1.0, minloglevel=2)
+    tok = SentencePieceVocab(str(tmp_path / "spm.model"))
+    ids = tok.encode("the cat  sat on the mat")  # normalised first (whitespace collapsed)
+    assert ids and BLANK not in ids and max(ids) < len(tok)
+    assert tok.decode(ids) == "the cat sat on the mat"
+    again = tokenizer_from_json(tok.to_json())
+    assert again.encode("a dog ran") == tok.encode("a dog ran") and len(again) == len(tok)
+
+
+@pytest.mark.skipif(HAVE_SPM, reason="sentencepiece is installed: the missing-package error cannot happen here")
+def test_missing_sentencepiece_names_the_extra(tmp_path):
+    with pytest.raises(RuntimeError, match=r"shardtrain\[sentencepiece\]"):
+        SentencePieceVocab(str(tmp_path / "spm.model"))
