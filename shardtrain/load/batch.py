@@ -35,6 +35,9 @@ class Batch:
     on; free: the plan's own row ids)."""
     sources: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
     """int16 [B]: each utterance's dataset, its position in the mixture's list (0 for a single dataset)."""
+    planned: int = -1
+    """Utterances the plan put in this batch (-1: not known). 0 with len 0: empty by plan (equal steps gave a
+    rank a batch its chunk had no row for); > 0 with len 0: every planned sample failed to decode."""
 
     def __len__(self) -> int:
         return len(self.keys)

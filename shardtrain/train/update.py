@@ -116,9 +116,12 @@ def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch
                 feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, gen, train=tc.augment)
             longest = float(batch.durations_s.max()) if len(batch) else 0.0
             items.append(_Item(batch, feats, feat_lengths, targets, target_lengths, bucket_of(table, longest)))
-            if len(batch) == 0:
+            if len(batch) == 0 and batch.planned != 0:
                 log.warning("rank %d: empty batch (epoch %d, batch %d): every sample failed to decode; joining "
                             "step %d with a silent dummy", world.rank, batch.epoch, batch.step, run.step + 1)
+            elif len(batch) == 0:  # the loader logged and counted it (counters["empty_by_plan"])
+                log.debug("rank %d: batch %d of epoch %d is empty by plan; joining step %d with a silent dummy",
+                          world.rank, batch.step, batch.epoch, run.step + 1)
         del encoded
         scale = world.world_size / global_tokens
         if cfg.budget.oom_split:
