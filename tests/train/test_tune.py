@@ -193,3 +193,29 @@ def test_oom_fault_action_fires_only_where_a_point_accepts_it(monkeypatch, tmp_p
     monkeypatch.setenv(faults.ENV, "train.step.rank0=5:explode")
     with pytest.raises(ValueError, match="raise\\|kill\\|oom"):
         faults.point("train.step.rank0", 5)
+
+
+def test_tune_exits_non_zero_in_one_line_when_one_utterance_does_not_fit(data, tmp_path, capsys):
+    out = tmp_path / "budget.json"
+    assert main(["tune", "--data", data, "--pipeline", "tiny_cpu", "--out", str(out), "--device", "cpu",
+                 "--memory-limit-mb", "1", "--buckets", "3", "--set", "train.cpu_threads=1"]) == 1
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if "error" in x.lower() or "WARNING" in x]
+    assert len(errors) == 1 and errors[0].startswith("tune: error: one utterance of"), err
+    assert "--memory-limit-mb" in errors[0] and not out.exists()
+
+
+def test_tune_defaults_search_a_small_multiple_of_the_preset_and_log_every_probe(data, tmp_path, capfd):
+    from shardtrain.train.tune import CPU_SEARCH_MULTIPLE, default_search_s
+
+    cfg = apply_overrides(load_pipeline("tiny_cpu"), ["stream.bucket.max_batch_seconds=12"])
+    assert default_search_s(cfg, torch.device("cpu")) == CPU_SEARCH_MULTIPLE * 12
+    out = tmp_path / "budget.json"
+    assert main(["tune", "--data", data, "--pipeline", "tiny_cpu", "--out", str(out), "--device", "cpu",
+                 "--buckets", "2", "--set", "train.cpu_threads=1", "--set", "stream.bucket.max_batch_seconds=12"]) == 0
+    doc = read_budget(out)
+    assert all(b <= CPU_SEARCH_MULTIPLE * 12 + 1e-6 for _, b in doc["budget_table"]), doc["budget_table"]
+    probes = [x.split("INFO shardtrain.train.tune: ")[1] for x in capfd.readouterr().err.splitlines()
+              if "INFO shardtrain.train.tune: tune bucket" in x]
+    assert probes and all("utterances, peak" in m and "MiB" in m for m in probes), probes
+    assert {m.split(" (")[0] for m in probes} == {"tune bucket 1/2", "tune bucket 2/2"}
