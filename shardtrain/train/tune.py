@@ -15,7 +15,7 @@ state and the activations held for backward) against --memory-limit-mb (default:
 available). Synthetic waves are enough: memory depends on shapes, not on content. Cost: ~2 log2(n) + 1 steps
 per bucket, each one real training step (seconds on a GPU). The search stops at a small multiple of the
 preset's budget (`default_search_s`: 2x on the CPU, where a step grows with the batch and free RAM is rarely the
-limit; 8x on CUDA, where device memory stops it first), so the CPU preset tunes in about a minute on 2 cores.
+limit, and the search starts there: one probe a bucket; 8x on CUDA, where device memory stops it first).
 Progress: one INFO line per probe (bucket, utterances tried, peak, seconds) and a tqdm bar per bucket. When one
 utterance of the longest bucket does not fit, `NothingFits` before any search (nothing to write).
 """
@@ -206,11 +206,12 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
                      len(buckets), bk.longest_s, n, seen[n] / 2**20, target_bytes / 2**20, times[n])
             return seen[n] <= target_bytes
 
-        # start where the answer likely is: the last bucket's scaled by length, or the preset's own worst batch
-        # (one utterance of L, the rest the bucket's shortest): on the CPU, where the search bound binds, that
-        # is two probes a bucket instead of ~2 log2(n)
+        # start where the answer likely is. CPU: at the search bound, which binds there (free RAM rarely does):
+        # one probe a bucket instead of ~2 log2(n), each as long as a step of that batch. CUDA: the last bucket's
+        # answer scaled by length, or the preset's own worst batch (one utterance of L, the rest the shortest)
         preset_n = max(1, int((b.max_batch_seconds - longest) // unit) + 1)
-        n, probes = largest_fit(fits, n_max, start=int(prev[0] * prev[1] / bk.longest_s) if prev else preset_n)
+        start = n_max if device.type == "cpu" else int(prev[0] * prev[1] / bk.longest_s) if prev else preset_n
+        n, probes = largest_fit(fits, n_max, start=start)
         prev = (max(n, 1), bk.longest_s)
         if n == 0:  # measured above for the longest bucket; a shorter one cannot need more, unless noise
             raise NothingFits(f"one utterance of {bk.longest_s:.2f} s does not fit the {target_bytes / 2**20:.0f} MiB "
