@@ -28,7 +28,12 @@ rate), 0.970 on 20k synthetic rows over 8 ranks (0.952 before).
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
   same duration band, and every rank has sum(M_g) batches. Nothing is dropped to equalise; a chunk that holds
-  fewer samples than M_g yields a short (rarely empty) batch instead.
+  fewer samples than M_g yields a short (rarely empty) batch instead (the loader counts an empty one as
+  `empty_by_plan` and says so, never as a decode failure).
+- Terminates by construction: every bucket holds >= world_size rows (`_at_least`, across budget-table edges if
+  need be, then costed by `span_costs` so the budget stays exact), so a bucket cuts into non-empty chunks with
+  one move per empty cut; a group's batch count grows at most to its largest chunk's row count, where one row a
+  batch fits (tests/load/test_plan_terminates.py: random tables, world sizes 1-64, buckets of 0-3 rows).
 - Exactly once: every non-excluded row lands in exactly one chunk and one batch. The only rows left out are
   those that alone exceed the batch budget (counted as `too_long`) or, when the corpus has fewer samples than
   ranks, all of them (refused with an error instead).
@@ -119,7 +124,8 @@ class BucketConfig:
     too long (left out, counted), so a last budget of max_batch_seconds keeps max_batch_seconds' too-long rule.
     How: `cost_s` scales costs by max_batch_seconds / b(d) and no batch mixes two entries' lengths (rows: buckets
     cut at the edges; blocks: blocks and buckets cut there); a bucket of fewer rows than ranks merges into its
-    neighbour and may then cross an edge. In the bucket fingerprint: a state resumes mid-epoch only with the same
+    neighbour and may then cross an edge (its rows then costed by `span_costs`: the smallest budget from their
+    entry to the bucket's longest, so still exact). In the bucket fingerprint: a state resumes mid-epoch only with the same
     table, at an epoch boundary with any."""
 
     def __post_init__(self) -> None:

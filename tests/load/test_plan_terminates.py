@@ -1,6 +1,7 @@
 """The planners terminate for every budget table, world size and bucket population, and keep the loader's
 invariants there (design invariants 2-4): random tables (edges 0.1-40 s), world sizes 1-64, buckets of 0-3 rows
 and larger populations, each plan under a time bound (pytest-timeout stops a hang). Pure numpy: no audio."""
+import dataclasses
 import time
 
 import numpy as np
@@ -80,7 +81,7 @@ def run_case(planner, case: int, large: bool = False) -> int:
     rng = np.random.default_rng(case)
     d, world_size, cfg = random_case(rng, large=large)
     if planner is blocks_plan and (cfg.padded_budget or cfg.run_mb == 0):
-        cfg = BucketConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "padded_budget": False, "run_mb": 1.0})
+        cfg = dataclasses.replace(cfg, padded_budget=False, run_mb=1.0)  # what the block planner refuses
     idx = index_of(d)
     kept = int((cost_s(idx.duration_s, cfg) <= cfg.max_batch_seconds).sum())
     if 0 < kept < world_size:
