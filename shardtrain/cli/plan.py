@@ -49,8 +49,9 @@ def _stream_config(args):
     if args.max_batch_seconds is not None:
         bucket = dataclasses.replace(bucket, max_batch_seconds=args.max_batch_seconds)
     if args.batch_budget:
-        doc = json.loads(open(args.batch_budget, encoding="utf-8").read())
-        table = tuple((float(e), float(b)) for e, b in doc["budget_table"])
+        from shardtrain.train.budget import read_budget
+
+        table = tuple((float(e), float(b)) for e, b in read_budget(args.batch_budget)["budget_table"])
         bucket = dataclasses.replace(bucket, budget_table=table)
     return dataclasses.replace(cfg.stream, bucket=bucket), (cfg.train.seed if args.seed is None else args.seed)
 

@@ -24,8 +24,8 @@ def _add_tune(sub) -> None:
                    help="target in MiB instead of the fraction (on the CPU the figure is parameters, gradients, "
                         "optimiser state and activations held for backward)")
     p.add_argument("--max-batch-seconds", type=float, default=None,
-                   help="largest budget a bucket may get (default 2 x the preset's max_batch_seconds: the "
-                        "search stays near what the preset was sized for)")
+                   help="largest budget a bucket may get (default: 2 x the preset's max_batch_seconds on the CPU, "
+                        "8 x on CUDA)")
     p.add_argument("--buckets", type=int, default=None, help="duration buckets (default: the preset's num_buckets)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, as for train (repeatable)")
@@ -44,7 +44,7 @@ def _cmd_tune(args) -> int:
     from shardtrain.train.budget import write_budget
     from shardtrain.train.overrides import apply_overrides
     from shardtrain.train.text import CharVocab, SentencePieceVocab
-    from shardtrain.train.tune import DEFAULT_BUDGET_MULTIPLE, NothingFits, default_target, tune
+    from shardtrain.train.tune import NothingFits, default_search_s, default_target, tune
 
     init_logging(0, args.verbose)
     if not 0 < args.memory_fraction <= 1:
@@ -66,11 +66,10 @@ def _cmd_tune(args) -> int:
                  else len(CharVocab.from_index(args.data, so)))
         target = default_target(device, args.memory_fraction, args.memory_limit_mb)
         doc = tune(cfg, durations, vocab, device, target_bytes=target,
-                   max_batch_seconds=args.max_batch_seconds
-                   or DEFAULT_BUDGET_MULTIPLE * cfg.stream.bucket.max_batch_seconds,
+                   max_batch_seconds=args.max_batch_seconds or default_search_s(cfg, device),
                    num_buckets=args.buckets, progress=sys.stderr.isatty())
     except NothingFits as e:
-        print(str(e), file=sys.stderr)
+        print(f"tune: error: {e}; {args.out} not written", file=sys.stderr)
         return 1
     except _run_errors() as e:
         print(f"tune: error: {_one_line(e)}", file=sys.stderr)

@@ -36,9 +36,8 @@ class Batch:
     sources: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
     """int16 [B]: each utterance's dataset, its position in the mixture's list (0 for a single dataset)."""
     planned: int = -1
-    """Utterances the epoch plan put in this batch (-1: not known). 0 means empty by plan: a bucket between two
-    budget-table edges with fewer rows than ranks leaves some ranks nothing to read. A batch with planned > 0
-    and no utterance lost all of them to bad data (counted in the loader's skips)."""
+    """Utterances the plan put in this batch (-1: not known). 0 with len 0: empty by plan (equal steps gave a
+    rank a batch its chunk had no row for); > 0 with len 0: every planned sample failed to decode."""
 
     def __len__(self) -> int:
         return len(self.keys)

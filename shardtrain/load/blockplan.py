@@ -75,26 +75,28 @@ def make_blocks(duration_s, size, block_s: float, budget: float,
                 cost_fn: Callable[[np.ndarray], np.ndarray] | None = None, block_rows: int | None = None,
                 cuts: np.ndarray | None = None) -> Blocks:
     """Blocks of about `block_s` seconds of duration-sorted rows (`duration_s` ascending; array or memory map),
-    also cut every `block_rows` rows when given and before every duration in `cuts` (budget-table edges): equal audio, so a chunk of a few blocks is balanced whatever the
-    durations; over-budget rows (cost_fn(d) > budget) get blocks of their own, 64 rows each. Streams the columns
-    WINDOW_ROWS at a time: memory is O(blocks)."""
+    also cut every `block_rows` rows when given and before every duration in `cuts` (budget-table edges): equal
+    audio, so a chunk of a few blocks is balanced whatever the durations; over-budget rows (cost_fn(d) > budget,
+    anywhere: with a budget table cost is not monotone in length) get blocks of their own, 64 rows each. Streams
+    the columns WINDOW_ROWS at a time: memory is O(blocks)."""
     cost_fn = cost_fn or (lambda d: d)
     n = len(duration_s)
-    cut, base, found = 0, 0.0, [np.zeros(1, np.int64)]
+    base, found = 0.0, [np.zeros(1, np.int64)]
     for a in range(0, n, WINDOW_ROWS):  # block starts where the running audio passes a multiple of block_s
         c = _window_cost(duration_s, cost_fn, a, min(n, a + WINDOW_ROWS))
-        c = c[: int(np.searchsorted(c, budget, side="right"))]
-        if len(c) == 0:
-            break
-        cs = base + np.cumsum(c)
+        # over-budget rows need not be a suffix (a budget table's costs are not monotone in length): blocks
+        # start at every change between kept and over-budget rows, and every 64 rows of an over-budget run
+        over, pos = c > budget, np.arange(a, a + len(c))
+        flip = np.concatenate([[True], over[1:] != over[:-1]])  # a window's start counts as one (harmless)
+        run_start = np.maximum.accumulate(np.where(flip, pos, 0))
+        long_marks = pos[over & ((pos - run_start) % 64 == 0)]
+        cs = base + np.cumsum(np.where(over, 0.0, c))
         marks = np.arange(math.floor(base / block_s) + 1, math.ceil(cs[-1] / block_s)) * block_s
-        found.append(np.searchsorted(cs, marks, side="left") + a + 1)
-        base, cut = float(cs[-1]), a + len(c)
-        if len(c) < min(WINDOW_ROWS, n - a):
-            break
-    by_rows = np.arange(0, cut, block_rows) if block_rows else np.zeros(0, np.int64)
+        found.extend([np.searchsorted(cs, marks, side="left") + a + 1, pos[flip], long_marks])
+        base = float(cs[-1])
+    by_rows = np.arange(0, n, block_rows) if block_rows else np.zeros(0, np.int64)
     at_cuts = np.zeros(0, np.int64) if cuts is None else np.searchsorted(duration_s, np.asarray(cuts), side="right")
-    starts = np.unique(np.concatenate([*found, by_rows, at_cuts, np.arange(cut, n, 64)])).astype(np.int64)
+    starts = np.unique(np.concatenate([*found, by_rows, at_cuts])).astype(np.int64)
     starts = starts[starts < n]
     ends = np.append(starts[1:], n)
     cost, max_cost, nbytes = np.zeros(len(starts)), np.zeros(len(starts), np.float32), np.zeros(len(starts), np.int64)
@@ -107,8 +109,11 @@ def make_blocks(duration_s, size, block_s: float, budget: float,
         max_cost[b:e] = np.maximum.reduceat(c, rel)
         nbytes[b:e] = np.add.reduceat(np.asarray(size[lo:hi], np.int64), rel)
         b = e
+    first_cost = np.zeros(len(starts))
+    for w in range(0, len(starts), WINDOW_ROWS):  # a block is all kept or all over budget: its first row says
+        first_cost[w:w + WINDOW_ROWS] = cost_fn(np.asarray(duration_s[starts[w:w + WINDOW_ROWS]], np.float64))
     return Blocks(start=starts, rows=(ends - starts).astype(np.int32), cost=cost, max_cost=max_cost, nbytes=nbytes,
-                  too_long=starts >= cut)
+                  too_long=first_cost > budget)
 
 
 def _window_cost(duration_s, cost_fn: Callable[[np.ndarray], np.ndarray], lo: int, hi: int) -> np.ndarray:

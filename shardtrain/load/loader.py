@@ -88,7 +88,7 @@ class _Loaded:
     steps: int
     rows: int
     planned: list[int]
-    """Utterances the plan put in each batch (Batch.planned)."""
+    """Utterances the plan put in each batch: 0 is a batch empty by plan, not one whose samples failed."""
 
 
 def _check_epoch(view: EpochView, epoch: int, chain: tuple) -> EpochView:
@@ -138,7 +138,8 @@ def _load(reader: ChunkReader, item: _Item, order: int) -> _Loaded:
     cb = rd.load(item.rc.chunk, item.epoch, item.first_step, item.skip, order)
     origins = [item.rc.origin(b[5]) for b in cb.batches]
     cb.batches = [b[:5] for b in cb.batches]
-    return _Loaded(cb, origins, item.steps, item.rows, [len(b) for b in item.rc.chunk.batches[item.skip:]])
+    planned = [len(b) for b in item.rc.chunk.batches[item.skip:]]
+    return _Loaded(cb, origins, item.steps, item.rows, planned)
 
 
 class ChunkStream(torch.utils.data.IterableDataset):
@@ -205,7 +206,8 @@ class Loader:
         self.fingerprint = planner.fingerprint
         self.sample_rate_hz = planner.sample_rate_hz
         self.too_long_per_epoch = planner.too_long
-        self.counters: dict = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0}
+        self.counters: dict = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0,
+                               "empty_by_plan": 0}
         if len(planner.datasets) > 1:
             self.counters["dataset_seconds"] = [0.0] * len(planner.datasets)
         self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
@@ -343,6 +345,10 @@ class Loader:
                 batch = Batch(waves=waves, lengths=torch.from_numpy(lengths), keys=keys, texts=texts,
                               durations_s=torch.from_numpy(durs), sample_rate_hz=self.sample_rate_hz,
                               epoch=item.epoch, step=step, rows=rows, sources=sources, planned=loaded.planned[i])
+                if loaded.planned[i] == 0:  # equal steps: a chunk with fewer rows than its group's batches
+                    self.counters["empty_by_plan"] += 1
+                    log.info("rank %d: batch %d of epoch %d is empty by plan (its chunk holds fewer utterances than "
+                             "the group's batches); not a decode failure", self.world.rank, step, item.epoch)
                 self.counters["samples"] += len(keys)
                 self.counters["audio_seconds"] += float(durs.sum())
                 self.counters["batches"] += 1

@@ -28,7 +28,12 @@ rate), 0.970 on 20k synthetic rows over 8 ranks (0.952 before).
 Why this shape:
 - Lock-step and equal steps by construction: at step k every rank is inside the same group, so draws from the
   same duration band, and every rank has sum(M_g) batches. Nothing is dropped to equalise; a chunk that holds
-  fewer samples than M_g yields a short (rarely empty) batch instead.
+  fewer samples than M_g yields a short (rarely empty) batch instead (the loader counts an empty one as
+  `empty_by_plan` and says so, never as a decode failure).
+- Terminates by construction: every bucket holds >= world_size rows (`_at_least`, across budget-table edges if
+  need be, then costed by `span_costs` so the budget stays exact), so a bucket cuts into non-empty chunks with
+  one move per empty cut; a group's batch count grows at most to its largest chunk's row count, where one row a
+  batch fits (tests/load/test_plan_terminates.py: random tables, world sizes 1-64, buckets of 0-3 rows).
 - Exactly once: every non-excluded row lands in exactly one chunk and one batch. The only rows left out are
   those that alone exceed the batch budget (counted as `too_long`) or, when the corpus has fewer samples than
   ranks, all of them (refused with an error instead).
@@ -119,7 +124,8 @@ class BucketConfig:
     too long (left out, counted), so a last budget of max_batch_seconds keeps max_batch_seconds' too-long rule.
     How: `cost_s` scales costs by max_batch_seconds / b(d) and no batch mixes two entries' lengths (rows: buckets
     cut at the edges; blocks: blocks and buckets cut there); a bucket of fewer rows than ranks merges into its
-    neighbour and may then cross an edge. In the bucket fingerprint: a state resumes mid-epoch only with the same
+    neighbour and may then cross an edge (its rows then costed by `span_costs`: the smallest budget from their
+    entry to the bucket's longest, so still exact). In the bucket fingerprint: a state resumes mid-epoch only with the same
     table, at an epoch boundary with any."""
 
     def __post_init__(self) -> None:
@@ -335,7 +341,43 @@ def _bucket_ranges(rows: np.ndarray, dur: np.ndarray, cfg: BucketConfig, world_s
         tail = merged.pop()
         kinds.pop()
         merged[-1] = np.concatenate([merged[-1], tail])
-    return merged
+    return _at_least(merged, world_size)
+
+
+def _at_least(buckets: list[np.ndarray], world_size: int) -> list[np.ndarray]:
+    """Buckets merged with their neighbours, across budget-table edges if need be, until every one holds at least
+    world_size rows (so it cuts into a multiple of world_size non-empty chunks). One pass: a bucket is closed only
+    once it holds world_size rows, and a short last one joins the one before; with >= world_size rows in all,
+    every bucket ends with >= world_size. A bucket that spans table entries is costed by `span_costs`."""
+    out: list[np.ndarray] = []
+    for b in buckets:
+        if out and len(out[-1]) < world_size:
+            out[-1] = np.concatenate([out[-1], b])
+        else:
+            out.append(b)
+    if len(out) > 1 and len(out[-1]) < world_size:
+        tail = out.pop()
+        out[-1] = np.concatenate([out[-1], tail])
+    return out
+
+
+def span_costs(duration_s: np.ndarray, cfg: BucketConfig) -> np.ndarray:
+    """Budget costs of one bucket's rows when the bucket may span several budget-table entries: each row scaled by
+    the smallest budget among the entries from its own to the bucket's longest that hold rows (`cost_s` scales by
+    its own). Exact for any batch of the bucket: its longest row L's entry is among those, so the summed raw cost
+    <= b(L) (padded: L's cost, scaled at least as much, x size). Never makes a kept row too long: a longer entry
+    that holds a row d' has b >= raw(d') >= raw(d) (raw cost grows with length). Equal to `cost_s` inside one
+    entry. O(rows)."""
+    if cfg.budget_table is None:
+        return cost_s(duration_s, cfg)
+    d = np.asarray(duration_s, np.float64)
+    raw = d if cfg.quadratic_duration_s is None else d + d**2 / cfg.quadratic_duration_s
+    edges = table_edges(cfg)
+    entry = np.minimum(np.searchsorted(edges, d, side="left"), len(edges) - 1)
+    present = np.unique(entry)
+    budgets = np.array([b for _, b in cfg.budget_table])[present]
+    suffix_min = np.minimum.accumulate(budgets[::-1])[::-1]
+    return raw * (cfg.max_batch_seconds / suffix_min[np.searchsorted(present, entry)])
 
 
 def _chunk_count(cost: float, nbytes: float, rows: int, world_size: int, cfg: BucketConfig,
@@ -445,7 +487,6 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     shares = _chunk_shares(costs[bucket], nbytes, world_size, cfg)
     n = len(shares) if shares is not None else \
         _chunk_count(float(costs[bucket].sum()), nbytes, len(bucket), world_size, cfg, float(costs[bucket].max()))
-    n = max(n, world_size)  # a bucket with fewer rows than ranks still gives every rank a chunk (some empty)
     n_runs = _run_count(bucket, nbytes, costs, n, cfg)
     if n_runs > n or (shares is not None and n > 1):  # runs in random order, cut into n chunks of their shares
         seq, run_of = _shuffled_runs(bucket, n_runs, rng)
@@ -456,25 +497,15 @@ def _cut_chunks(bucket: np.ndarray, idx: PlanIndex, costs: np.ndarray, world_siz
     else:  # one run per chunk (ascending: the wrap-around piece's two byte ranges in order)
         runs = _cut_runs(bucket, costs[bucket], n, rng)
         pieces = [(np.sort(r), np.zeros(len(r), np.int64)) for r in runs]
-    return _fill_empty(pieces)
-
-
-def _fill_empty(pieces: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Give every empty piece one row of the largest piece, while that one has rows to spare.
-
-    Equal-audio cuts leave a piece empty when a few long rows dominate. Each move empties nothing (the donor keeps
-    >= 1 row) and fills one piece, so this ends after at most len(pieces) moves; a bucket with fewer rows than
-    pieces (one alone between two budget-table edges, with fewer rows than ranks) keeps its extra pieces empty:
-    those ranks get batches that are empty by plan (Batch.planned == 0), never a loop that moves a row back and
-    forth."""
-    pieces = list(pieces)
-    for _ in range(len(pieces)):
-        empty = [i for i, (p, _) in enumerate(pieces) if len(p) == 0]
-        donor = max(range(len(pieces)), key=lambda i: len(pieces[i][0]))
-        if not empty or len(pieces[donor][0]) < 2:
-            break
-        p, r = pieces[donor]
-        pieces[empty[0]], pieces[donor] = (p[-1:], r[-1:]), (p[:-1], r[:-1])
+    # equal-audio cuts can leave a piece empty when a few long rows dominate: each empty piece takes one row from
+    # the largest. Bounded: n <= rows (_bucket_ranges gives >= world_size rows, the counts cap n at rows), so
+    # while a piece is empty the largest holds >= 2 rows and is never emptied; one move per empty piece.
+    if n > len(bucket):
+        raise RuntimeError(f"planner: {n} chunks for a bucket of {len(bucket)} rows")
+    for empty in [i for i, (p, _) in enumerate(pieces) if len(p) == 0]:
+        donor = max(range(n), key=lambda i: len(pieces[i][0]))
+        (p, r) = pieces[donor]
+        pieces[empty], pieces[donor] = (p[-1:], r[-1:]), (p[:-1], r[:-1])
     return pieces
 
 
@@ -487,6 +518,31 @@ def _deal_chunk(rows: np.ndarray, run_of: np.ndarray, m: int, dur: np.ndarray, c
         if cfg.max_batch_size is None or max(len(b) for b in dealt) <= cfg.max_batch_size:
             return dealt
     return _deal(rows, m, rng) if cfg.run_mb <= 0 else deal_runs(rows, run_of, m, rng)
+
+
+def _deal_group(members: list[tuple[np.ndarray, np.ndarray]], dur: np.ndarray, costs: np.ndarray, cfg: BucketConfig,
+                rng: np.random.Generator, local: float | None) -> list[list[np.ndarray]]:
+    """A group's chunks dealt into the same number M_g of batches, each within the budget: the fewest batches
+    (from what the largest chunk needs) at which every chunk's deal fits, after balancing swaps. Bounded by
+    construction: at M_g = the largest chunk's row count the run-aware deal puts every row in a batch of its own,
+    which fits (every kept row costs <= the budget, and max_batch_size >= 1), so the search stops there."""
+    m = max(_batches_needed(p, costs, cfg) for p, _ in members)
+    last = max(m, max(len(p) for p, _ in members))
+    budget = cfg.max_batch_seconds + 1e-9
+    for m in range(m, last + 1):
+        if m == last:  # one row a batch at most: fits by construction
+            return [_deal(p, m, rng) if cfg.run_mb <= 0 else deal_runs(p, r, m, rng) for p, r in members]
+        dealt = [_deal_chunk(p, r, m, dur, costs, cfg, rng, local) for p, r in members]
+        fits = [all(batch_cost(costs[b], cfg) <= budget for b in d) for d in dealt]
+        if not all(fits) and cfg.run_mb > 0 and not cfg.padded_budget:  # even out seconds, not counts
+            for i in (i for i, f in enumerate(fits) if not f):
+                fixed = _balance(dealt[i], costs, dict(zip(members[i][0].tolist(), members[i][1].tolist())),
+                                 cfg.max_batch_seconds)
+                if fixed is not None and all(batch_cost(costs[b], cfg) <= budget for b in fixed):  # checked
+                    dealt[i], fits[i] = fixed, True
+        if all(fits):
+            return dealt
+    raise RuntimeError("planner: unreachable")  # the loop returns at m == last
 
 
 def _deal(rows: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -610,25 +666,13 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
     _, k, target = _bucket_units(float(costs[rows].sum()), world_size, cfg)
     sigma = local_sigma(k, target) if cfg.run_mb > 0 and not cfg.padded_budget and cfg.bins_s is None else None
     for bucket in (_bucket_ranges(rows, idx.duration_s, cfg, world_size, phase) if len(rows) else []):
+        costs[bucket] = span_costs(idx.duration_s[bucket], cfg)  # a bucket may span table entries
         pieces = _cut_chunks(bucket, idx, costs, world_size, cfg, rng)
         # a chunk that is its whole bucket has no run-mates to part from: deal it into narrow bands of lengths
         local = sigma if len(pieces) == 1 else None
         for g0 in range(0, len(pieces), world_size):
             members = pieces[g0:g0 + world_size]
-            m = max(_batches_needed(p, costs, cfg) for p, _ in members)
-            while True:
-                dealt = [_deal_chunk(p, r, m, idx.duration_s, costs, cfg, rng, local) for p, r in members]
-                fits = [all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9 for b in d) for d in dealt]
-                if not all(fits) and cfg.run_mb > 0 and not cfg.padded_budget:  # even out seconds, not counts
-                    for i in (i for i, f in enumerate(fits) if not f):
-                        fixed = _balance(dealt[i], costs, dict(zip(members[i][0].tolist(), members[i][1].tolist())),
-                                         cfg.max_batch_seconds)
-                        if fixed is not None and all(batch_cost(costs[b], cfg) <= cfg.max_batch_seconds + 1e-9
-                                                     for b in fixed):  # the budget is checked, never assumed
-                            dealt[i], fits[i] = fixed, True
-                if all(fits):
-                    break
-                m += 1
+            dealt = _deal_group(members, idx.duration_s, costs, cfg, rng, local)
             rot = (g0 // world_size) % world_size  # rotate so no rank always gets a bucket's shortest chunk
             chunks = [Chunk(rows=np.sort(members[i][0]), batches=tuple(dealt[i])) for i in range(world_size)]
             groups.append(chunks[rot:] + chunks[:rot])

@@ -13,7 +13,11 @@ Memory is measured, not modelled: on CUDA torch.cuda.max_memory_allocated agains
 OOM during a probe counts as a miss); on the CPU the figure of train/memory.py (parameters, gradients, optimiser
 state and the activations held for backward) against --memory-limit-mb (default: --memory-fraction of the memory
 available). Synthetic waves are enough: memory depends on shapes, not on content. Cost: ~2 log2(n) + 1 steps
-per bucket, each one real training step (seconds on a GPU; on 2 loaded CPU cores keep the target small).
+per bucket, each one real training step (seconds on a GPU). The search stops at a small multiple of the
+preset's budget (`default_search_s`: 2x on the CPU, where a step grows with the batch and free RAM is rarely the
+limit, and the search starts there: one probe a bucket; 8x on CUDA, where device memory stops it first).
+Progress: one INFO line per probe (bucket, utterances tried, peak, seconds) and a tqdm bar per bucket. When one
+utterance of the longest bucket does not fit, `NothingFits` before any search (nothing to write).
 """
 from __future__ import annotations
 
@@ -32,6 +36,25 @@ from shardtrain.train.step import Augmenters, autocast
 from shardtrain.train.config import RunConfig
 
 log = logging.getLogger(__name__)
+
+CPU_SEARCH_MULTIPLE = 2.0
+"""Default search bound on the CPU, in the preset's max_batch_seconds: a CPU step grows linearly with the batch
+and its memory target (a share of free RAM) is rarely what stops the search, so without a bound every bucket
+climbs to it (8x the preset: ~7 minutes for 5 of 8 buckets on 2 cores). 2x keeps tune to ~2 log2 probes a bucket
+of at most twice a normal step."""
+GPU_SEARCH_MULTIPLE = 8.0
+"""Default search bound on CUDA, in the preset's max_batch_seconds: device memory decides well before it."""
+
+
+class NothingFits(ValueError):
+    """One utterance of the dataset's longest bucket does not fit the memory target: no budget can be written."""
+
+
+def default_search_s(cfg: RunConfig, device: torch.device) -> float:
+    """The largest budget tune tries unless told (--max-batch-seconds): a small multiple of the preset's."""
+    mult = GPU_SEARCH_MULTIPLE if device.type == "cuda" else CPU_SEARCH_MULTIPLE
+    return mult * cfg.stream.bucket.max_batch_seconds
+
 
 CHARS_PER_S = 15.0
 """Target tokens per second of audio in a probe (English speech: ~14 characters a second)."""
@@ -57,16 +80,6 @@ def plan_buckets(duration_s: np.ndarray, cfg: RunConfig, num_buckets: int | None
         sel = d[ids == i]
         out.append(Bucket(float(sel[0]), float(sel[-1]), int(len(sel))))
     return out
-
-
-DEFAULT_BUDGET_MULTIPLE = 2.0
-"""The largest budget a bucket may get, as a multiple of the preset's max_batch_seconds (`--max-batch-seconds`
-overrides). Bounds the search: a preset is sized for its device, so a table far beyond it is more likely a
-measurement artefact than a win, and every doubling costs a probe step (on 2 CPU cores, seconds each)."""
-
-
-class NothingFits(RuntimeError):
-    """Even one utterance of a bucket's longest length exceeds the memory target: no table can be written."""
 
 
 class Prober:
@@ -166,42 +179,59 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
     buckets = plan_buckets(duration_s, cfg, num_buckets)
     prober = Prober(cfg, vocab_size, device, cfg.train.seed)
     prober.probe(1, buckets[0].shortest_s)  # allocates the optimiser state, which every later step holds
+    # the smallest batch of the most demanding bucket first: when it does not fit, say so in seconds, not after
+    # the whole search (and write nothing: a table of one utterance a bucket would only OOM later)
+    peak, _ = prober.probe(1, buckets[-1].longest_s)
+    if peak > target_bytes:
+        need = "more than the device has" if math.isinf(peak) else f"{peak / 2**20:.0f} MiB"
+        raise NothingFits(f"one utterance of {buckets[-1].longest_s:.2f} s (the longest) needs {need}, over the "
+                          f"{target_bytes / 2**20:.0f} MiB target: raise --memory-limit-mb or --memory-fraction, or "
+                          "use a smaller model or precision")
     rows, table = [], []
     prev: tuple[int, float] | None = None
-    for bk in tqdm(buckets, desc="tune", unit="bucket", disable=not progress):
+    bar = tqdm(buckets, desc="tune", unit="bucket", disable=not progress)
+    for i, bk in enumerate(bar):
         longest = float(cost_s(np.array([bk.longest_s]), _plain(b))[0])
         unit = longest if b.padded_budget else float(cost_s(np.array([bk.shortest_s]), _plain(b))[0])
         n_max = max(1, int((max_batch_seconds - longest) // unit) + 1)
         if b.max_batch_size is not None:
             n_max = min(n_max, b.max_batch_size)
         seen: dict[int, float] = {}
-        where = f"bucket {len(rows) + 1}/{len(buckets)} (<= {bk.longest_s:.2f} s, {bk.rows} rows)"
+        times: dict[int, float] = {}
 
-        def fits(n: int) -> bool:
-            seen[n], took = prober.probe(n, bk.longest_s)
-            log.info("%s: %d utterances -> peak %.1f MB of %.0f MB, %s (%.2f s)", where, n, seen[n] / 2**20,
-                     target_bytes / 2**20, "fits" if seen[n] <= target_bytes else "too big", took)
+        def fits(n: int, i: int = i, bk: Bucket = bk) -> bool:
+            seen[n], times[n] = prober.probe(n, bk.longest_s)
+            bar.set_postfix_str(f"<= {bk.longest_s:.1f} s: {n} utts, {seen[n] / 2**20:.0f} MiB")
+            log.info("tune bucket %d/%d (<= %.2f s): %d utterances, peak %.1f MiB of %.0f MiB, %.2f s", i + 1,
+                     len(buckets), bk.longest_s, n, seen[n] / 2**20, target_bytes / 2**20, times[n])
             return seen[n] <= target_bytes
 
-        n, probes = largest_fit(fits, n_max, start=int(prev[0] * prev[1] / bk.longest_s) if prev else 1)
+        # start where the answer likely is. CPU: at the search bound, which binds there (free RAM rarely does):
+        # one probe a bucket instead of ~2 log2(n), each as long as a step of that batch. CUDA: the last bucket's
+        # answer scaled by length, or the preset's own worst batch (one utterance of L, the rest the shortest)
+        preset_n = max(1, int((b.max_batch_seconds - longest) // unit) + 1)
+        start = n_max if device.type == "cpu" else int(prev[0] * prev[1] / bk.longest_s) if prev else preset_n
+        n, probes = largest_fit(fits, n_max, start=start)
         prev = (max(n, 1), bk.longest_s)
-        if n == 0:
-            raise NothingFits(
-                f"tune: one utterance of {bk.longest_s:.2f} s needs {seen.get(1, math.inf) / 2**20:.0f} MB, over the "
-                f"{target_bytes / 2**20:.0f} MB target: raise --memory-limit-mb (or --memory-fraction), or pack/load "
-                f"without utterances that long (--set stream.bucket.max_batch_seconds=...); no budget.json written")
-        step_s = prober.probe(max(n, 1), bk.longest_s)[1]  # warm now: the step time at the chosen size
+        if n == 0:  # measured above for the longest bucket; a shorter one cannot need more, unless noise
+            raise NothingFits(f"one utterance of {bk.longest_s:.2f} s does not fit the {target_bytes / 2**20:.0f} MiB "
+                              "target: raise --memory-limit-mb or --memory-fraction")
+        # the step time at the chosen size, warm (CUDA: the fit probe paid for allocator growth and autotuning;
+        # on the CPU one more step would cost as much as the search, and its time is the fit probe's)
+        if device.type == "cuda" or n not in times:
+            times[n], probes = prober.probe(n, bk.longest_s)[1], probes + 1
+        step_s = times[n]
         # summed budgets: the worst batch of the bucket under b is one utterance of L and the rest as short as the
         # bucket allows, all padded to L: (1 + (b - L) / shortest) x L <= n x L  <=>  b <= L + (n - 1) x shortest
         budget = round(longest + (max(n, 1) - 1) * unit, 3)
         table.append((round(bk.longest_s, 4), budget))
         rows.append({"edge_s": round(bk.longest_s, 4), "shortest_s": round(bk.shortest_s, 4), "rows": bk.rows,
                      "utterances": n, "batch_seconds": budget, "padded_seconds": round(max(n, 1) * bk.longest_s, 3),
-                     "peak_bytes": seen.get(n), "step_s": round(step_s, 4), "probes": probes + 1,
+                     "peak_bytes": seen.get(n), "step_s": round(step_s, 4), "probes": probes,
                      "audio_s_per_s": round(max(n, 1) * bk.longest_s / max(step_s, 1e-9), 2)})
         log.info("bucket %.2f-%.2f s (%d rows): %d utterances = %.1f s of budget, peak %.1f MB of %.0f MB, "
                  "step %.3f s (%d probes)", bk.shortest_s, bk.longest_s, bk.rows, n, budget,
-                 (seen.get(n) or 0) / 2**20, target_bytes / 2**20, step_s, probes + 1)
+                 (seen.get(n) or 0) / 2**20, target_bytes / 2**20, step_s, probes)
     # the last edge covers the whole range the loader may meet: a longer row takes the last budget
     return {"budget_table": [list(r) for r in table], "memory_target_bytes": int(target_bytes),
             "device": str(device), "memory_source": "cuda max_memory_allocated" if device.type == "cuda" else

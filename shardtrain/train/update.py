@@ -152,13 +152,12 @@ def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch
         return res
     if global_tokens > 0:
         for it in items:
-            if len(it.batch) == 0 and it.batch.planned == 0:  # a bucket with fewer rows than ranks: not an error
-                log.info("rank %d: batch empty by plan (epoch %d, batch %d); joining step %d with a silent dummy",
-                         world.rank, it.batch.epoch, it.batch.step, run.step + 1)
-            elif len(it.batch) == 0:
-                log.warning("rank %d: empty batch (epoch %d, batch %d): all %s planned samples failed to decode; "
-                            "joining step %d with a silent dummy", world.rank, it.batch.epoch, it.batch.step,
-                            it.batch.planned if it.batch.planned > 0 else "its", run.step + 1)
+            if len(it.batch) == 0 and it.batch.planned != 0:
+                log.warning("rank %d: empty batch (epoch %d, batch %d): every sample failed to decode; joining "
+                            "step %d with a silent dummy", world.rank, it.batch.epoch, it.batch.step, run.step + 1)
+            elif len(it.batch) == 0:  # the loader logged and counted it (counters["empty_by_plan"])
+                log.debug("rank %d: batch %d of epoch %d is empty by plan; joining step %d with a silent dummy",
+                          world.rank, it.batch.step, it.batch.epoch, run.step + 1)
         scale = world.world_size / global_tokens
         if cfg.budget.oom_split:
             loss = _accumulate_safe(cfg, run, items, world, device, comm, scale, splits, meter, fault, res)

@@ -269,21 +269,3 @@ def test_abandoned_loader_stops_its_threads(dataset):
         time.sleep(0.05)
     assert not alive, f"loader threads still running after close: {alive}"
 
-
-def test_a_bucket_with_fewer_rows_than_ranks_gives_batches_empty_by_plan(dataset):
-    """A budget-table entry holding only the ~4 utterances of 2.0 s, 8 ranks: the epoch still ends (it once looped
-    forever), every utterance arrives once, steps are equal, and the ranks left without a row get batches that
-    say `planned == 0` (empty by plan), while every other batch holds all it planned."""
-    table = ((1.95, 8.0), (2.05, 8.0), (10.0, 8.0))
-    bucket = BucketConfig(max_batch_seconds=8.0, chunk_mb=0.05, num_buckets=4, budget_table=table)
-    per_rank = []
-    for r in range(8):
-        loader = build_loader(dataset, world=World(rank=r, world_size=8), seed=0, cfg=cfg(bucket=bucket))
-        per_rank.append([b for b, _ in loader])
-    assert len({len(bs) for bs in per_rank}) == 1
-    keys = [k for bs in per_rank for b in bs for k in b.keys]
-    assert sorted(keys) == sorted(all_keys(dataset))
-    batches = [b for bs in per_rank for b in bs]
-    empty = [b for b in batches if len(b) == 0]
-    assert empty and all(b.planned == 0 for b in empty)
-    assert all(b.planned == len(b) for b in batches if len(b))

@@ -79,27 +79,6 @@ def test_tune_on_cpu_writes_one_budget_per_bucket_larger_for_short_ones(data, tm
     assert "bucket <= s" in capsys.readouterr().out
 
 
-def test_tune_refuses_in_one_line_when_one_utterance_does_not_fit(data, tmp_path, capsys):
-    out = tmp_path / "budget.json"
-    assert main(["tune", "--data", data, "--pipeline", "tiny_cpu", "--out", str(out), "--device", "cpu",
-                 "--memory-limit-mb", "1", "--buckets", "3", "--set", "train.cpu_threads=1"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert "over the 1 MB target" in err[-1] and "--memory-limit-mb" in err[-1], err
-    assert not out.exists()
-
-
-def test_tune_with_defaults_stays_near_the_preset_and_reports_each_probe(data, tmp_path, capsys):
-    """No memory flag: the search is bounded by 2 x the preset's budget, not by 90% of the machine's RAM."""
-    out = tmp_path / "budget.json"
-    assert main(["tune", "--data", data, "--pipeline", "tiny_cpu", "--out", str(out), "--device", "cpu",
-                 "--buckets", "2", "--set", "train.cpu_threads=1", "--set", "stream.bucket.max_batch_seconds=12"]) == 0
-    doc = read_budget(out)
-    assert all(b <= 2 * 12 + 1e-6 for _, b in doc["budget_table"]), doc["budget_table"]
-    probes = [x for x in capsys.readouterr().err.splitlines() if " utterances -> peak " in x]
-    assert len(probes) == sum(b["probes"] - 1 for b in doc["buckets"]), probes
-    assert "bucket 1/2 (<= " in probes[0] and "bucket 2/2 (<= " in probes[-1]
-
-
 def test_largest_fit_gallops_from_a_start_then_bisects():
     calls: list[int] = []
     n, probes = largest_fit(lambda k: calls.append(k) or k <= 37, 1000)
@@ -214,3 +193,29 @@ def test_oom_fault_action_fires_only_where_a_point_accepts_it(monkeypatch, tmp_p
     monkeypatch.setenv(faults.ENV, "train.step.rank0=5:explode")
     with pytest.raises(ValueError, match="raise\\|kill\\|oom"):
         faults.point("train.step.rank0", 5)
+
+
+def test_tune_exits_non_zero_in_one_line_when_one_utterance_does_not_fit(data, tmp_path, capsys):
+    out = tmp_path / "budget.json"
+    assert main(["tune", "--data", data, "--pipeline", "tiny_cpu", "--out", str(out), "--device", "cpu",
+                 "--memory-limit-mb", "1", "--buckets", "3", "--set", "train.cpu_threads=1"]) == 1
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if "error" in x.lower() or "WARNING" in x]
+    assert len(errors) == 1 and errors[0].startswith("tune: error: one utterance of"), err
+    assert "--memory-limit-mb" in errors[0] and not out.exists()
+
+
+def test_tune_defaults_search_a_small_multiple_of_the_preset_and_log_every_probe(data, tmp_path, capfd):
+    from shardtrain.train.tune import CPU_SEARCH_MULTIPLE, default_search_s
+
+    cfg = apply_overrides(load_pipeline("tiny_cpu"), ["stream.bucket.max_batch_seconds=12"])
+    assert default_search_s(cfg, torch.device("cpu")) == CPU_SEARCH_MULTIPLE * 12
+    out = tmp_path / "budget.json"
+    assert main(["tune", "--data", data, "--pipeline", "tiny_cpu", "--out", str(out), "--device", "cpu",
+                 "--buckets", "2", "--set", "train.cpu_threads=1", "--set", "stream.bucket.max_batch_seconds=12"]) == 0
+    doc = read_budget(out)
+    assert all(b <= CPU_SEARCH_MULTIPLE * 12 + 1e-6 for _, b in doc["budget_table"]), doc["budget_table"]
+    probes = [x.split("INFO shardtrain.train.tune: ")[1] for x in capfd.readouterr().err.splitlines()
+              if "INFO shardtrain.train.tune: tune bucket" in x]
+    assert probes and all("utterances, peak" in m and "MiB" in m for m in probes), probes
+    assert {m.split(" (")[0] for m in probes} == {"tune bucket 1/2", "tune bucket 2/2"}
