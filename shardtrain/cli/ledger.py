@@ -42,17 +42,18 @@ def _facts(datasets: list[tuple[str, float]], storage_options: dict | None):
 
 def _cmd_ledger(args) -> int:
     from shardtrain import storage
-    from shardtrain.load.loader import make_planner
-    from shardtrain.train.config import RunConfig, data_sources
     from shardtrain.train.ledger import read_history
-    from shardtrain.train.ledger_report import account, counts_from_selection, where_seen
-    from shardtrain.train.overrides import from_dict
 
     so = _parse_storage_options(args.storage_option) or None
-    history = read_history(args.run, so)
+    history = read_history(args.run, so)  # a wrong RUN is refused here, before the config imports torch
     if not history.attempts:
         print(f"{args.run}: the ledger holds no attempt yet (no step was checkpointed)", file=sys.stderr)
         return 1
+    from shardtrain.load.planner import make_planner
+    from shardtrain.train.config import RunConfig, data_sources
+    from shardtrain.train.ledger_report import account, counts_from_selection, where_seen
+    from shardtrain.train.overrides import from_dict
+
     cfg = from_dict(RunConfig, json.loads(storage.read_bytes(storage.join(args.run, "config.json"), so)))
     sources = data_sources(cfg.train)
     datasets = [(sources, 1.0)] if isinstance(sources, str) else list(sources)

@@ -5,7 +5,7 @@ import json
 import sys
 import time
 
-from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, report_error
 
 
 def _add_plan(sub) -> None:
@@ -57,10 +57,17 @@ def _stream_config(args):
 
 
 def _cmd_plan(args) -> int:
-    from shardtrain.load.loader import make_planner
+    from shardtrain.format.manifest import DatasetError, open_dataset
+    from shardtrain.load.planner import make_planner
     from shardtrain.load.preflight import (PreflightConfig, batch_figures, io_figures, memory_figures,
                                            mixture_figures, pair_repeat)
 
+    so = _parse_storage_options(args.storage_option) or None
+    try:  # a wrong DATASET is refused before the preset (and torch, ~1.5 s) is imported
+        for url in args.data:
+            open_dataset(url, so)
+    except DatasetError as e:
+        return report_error("plan", e)
     try:
         stream, seed = _stream_config(args)
         pc = PreflightConfig(world_size=args.world_size, nodes=args.nodes,
@@ -69,7 +76,6 @@ def _cmd_plan(args) -> int:
             raise ValueError(f"give one --weight per DATASET ({len(args.data)}), got {len(args.weight)}")
     except (ValueError, OSError, KeyError) as e:
         raise SystemExit(f"plan: {e}") from None
-    so = _parse_storage_options(args.storage_option) or None
     weights = args.weight or [1.0] * len(args.data)
     sources = args.data[0] if len(args.data) == 1 else list(zip(args.data, weights))
     import pyarrow.parquet  # noqa: F401 - imports are not start-up the run pays per epoch: outside the clock

@@ -40,7 +40,7 @@ from shardtrain.load.batch import Batch
 from shardtrain.load.buffers import BatchBuffers
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.plan import BucketConfig, Chunk
-from shardtrain.load.planner import EpochView, Planner, RankChunk, open_planner
+from shardtrain.load.planner import EpochView, Planner, RankChunk, make_planner, open_planner  # noqa: F401 (make_planner: re-exported)
 from shardtrain.load.reader import ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
 
@@ -383,17 +383,6 @@ class Loader:
                 f"{self.ds.url}: {n} of ~{rows:.0f} samples of epoch {item.epoch} skipped as bad data (over "
                 f"stream.max_skipped_share={self.cfg.max_skipped_share:g}); last: {last['key']} in {last['shard']}: "
                 f"{last['reason']}; check the dataset with `shardtrain inspect --verify`, or raise the share")
-
-
-def make_planner(url: str | list | tuple, *, seed: int, cfg: StreamConfig, storage_options: dict | None = None,
-                 epoch_hours: float | None = None) -> Planner:
-    """The planner of one dataset URL, or of a list of datasets (each a URL or (URL, weight)): a weighted mixture
-    (load/mixplan.py). Metadata only: what `build_loader`, `shardtrain plan` and the ledger all plan with."""
-    if isinstance(url, (list, tuple)):
-        from shardtrain.load.mixplan import MixturePlanner
-
-        return MixturePlanner(url, cfg, seed, storage_options, epoch_hours)
-    return open_planner(url, cfg, seed, storage_options)
 
 
 def build_loader(url: str | list | tuple, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,

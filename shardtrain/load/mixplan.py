@@ -32,10 +32,10 @@ from shardtrain.format.manifest import open_dataset
 from shardtrain.load.blockplan import Blocks
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.mixture import MixEpoch, _take, gather_index, select_epoch, targets_s
-from shardtrain.load.plan import PLAN_COLUMNS, Chunk, PlanIndex, cost_s
+from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, Chunk, PlanIndex, cost_s
 from shardtrain.load.planner import (BlocksEpoch, Chain, RankChunk, RowsEpoch, Shards, blocks_epoch, by_blocks,
                                      open_blocks, rows_epoch)
-from shardtrain.load.reader import CHECK_COLUMNS, StreamError
+from shardtrain.load.errors import StreamError
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,10 @@ from shardtrain.format.manifest import Dataset, ShardInfo, open_dataset
 from shardtrain.load.blockplan import Blocks, BlockPlan, block_epoch, block_shape, chunks_from
 from shardtrain.load.config import StreamConfig, refuse_ignored_fields
 from shardtrain.load.mapped import MappedIndex, default_root, mapped_blocks, open_mapped
-from shardtrain.load.plan import (PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex, consumed_rows, cost_s,
+from shardtrain.load.plan import (CHECK_COLUMNS, PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex,
+                                  consumed_rows, cost_s,
                                   plan_epoch)
-from shardtrain.load.reader import CHECK_COLUMNS, StreamError
+from shardtrain.load.errors import StreamError
 
 log = logging.getLogger(__name__)
 
@@ -285,3 +286,14 @@ def open_planner(url: str, cfg: StreamConfig, seed: int, storage_options: dict |
     rows = sum(s.samples for s in ds.shards)
     kind = BlocksPlanner if by_blocks(cfg, rows, url) else RowsPlanner
     return kind(ds, cfg, seed, storage_options)
+
+
+def make_planner(url: str | list | tuple, *, seed: int, cfg: StreamConfig, storage_options: dict | None = None,
+                 epoch_hours: float | None = None) -> Planner:
+    """The planner of one dataset URL, or of a list of datasets (each a URL or (URL, weight)): a weighted mixture
+    (load/mixplan.py). Metadata only: what `build_loader`, `shardtrain plan` and the ledger all plan with."""
+    if isinstance(url, (list, tuple)):
+        from shardtrain.load.mixplan import MixturePlanner
+
+        return MixturePlanner(url, cfg, seed, storage_options, epoch_hours)
+    return open_planner(url, cfg, seed, storage_options)

@@ -21,7 +21,7 @@ import numpy as np
 
 from shardtrain.load.plan import PlanIndex, batch_budget_s, cost_s
 from shardtrain.load.planner import Planner
-from shardtrain.load.reader import RUN_GAP_BYTES
+from shardtrain.load.plan import RUN_GAP_BYTES
 
 DECODE_AUDIO_S_PER_CORE = 4_900.0
 """FLAC 16 kHz mono decode rate of one core (stack.md: 2.04 ms per 10 s clip with soundfile)."""

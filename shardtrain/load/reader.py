@@ -32,7 +32,7 @@ from shardtrain.format.tar import BLOCK, KEY_RE, parse_header
 from shardtrain.format.validate import MAX_JSON_BYTES, show
 from shardtrain.load.buffers import BatchBuffers
 from shardtrain.load.errors import StreamError
-from shardtrain.load.plan import Chunk, PlanIndex
+from shardtrain.load.plan import CHECK_COLUMNS, RUN_GAP_BYTES, Chunk, PlanIndex
 from shardtrain.load.pool import OldestFirstPool
 from shardtrain.storage.cache import ShardCache
 
@@ -43,14 +43,8 @@ ROWS_PER_TASK = 4
 """Rows per decode task: one queue handoff and one Future per 4 rows instead of per row (that bookkeeping runs
 under the GIL; with the DataLoader bypass for num_workers=0 it gained +6% in an A/B of 6 alternating runs); still
 ~20 tasks per chunk for 3 threads to share."""
-CHECK_COLUMNS = ("key", "text")
-"""Index columns the reader checks shard bytes against (held as Arrow arrays: ~25 bytes a row for keys, ~100 for
-transcripts; StreamConfig.check_transcripts=False leaves the latter out). Measured by benchmarks/bench_validate.py:
-1M rows read and checked in ~0.45 s more than the unchecked read, 125 MB of Arrow memory for both columns."""
 MAX_REASON_CHARS = 300
 """Skip reasons kept in stats/state are cut to this; their shard-derived parts are escaped (validate.show)."""
-RUN_GAP_BYTES = 1 << 20
-"""Rows closer than this in one shard are read as one range (reading through the gap beats another request)."""
 
 
 @dataclass(slots=True)
