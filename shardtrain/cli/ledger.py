@@ -33,11 +33,24 @@ def _facts(datasets: list[tuple[str, float]], storage_options: dict | None):
 
     out = []
     for url, weight in datasets:
-        table = open_dataset(url, storage_options).read_index(columns=["key", "duration_s"])
-        out.append(DatasetFacts(name=url, weight=float(weight),
+        ds = open_dataset(url, storage_options)
+        table = ds.read_index(columns=["key", "duration_s"])
+        out.append(DatasetFacts(content=ds.content_id, name=url, weight=float(weight),
                                 durations_s=table.column("duration_s").to_numpy().astype(np.float64),
                                 keys=np.asarray(table.column("key").to_pylist(), dtype=object)))
     return out
+
+
+def _changed_since(history, facts) -> str | None:
+    """Why the ledger cannot be read against today's datasets, or None: its rows are index positions, so a
+    dataset re-packed with other audio (same row count) would have them name the wrong utterances."""
+    for a in history.attempts:
+        for recorded in a.datasets:
+            now = next((f.content for f in facts if f.name == recorded.get("url")), None)
+            if recorded.get("content") and now and recorded["content"] != now:
+                return (f"{recorded['url']} changed since attempt {a.attempt} (shard sha256 differ: re-packed); the "
+                        "ledger's rows would name other utterances. Account the run against the dataset it trained on")
+    return None
 
 
 def _cmd_ledger(args) -> int:
@@ -58,6 +71,10 @@ def _cmd_ledger(args) -> int:
     sources = data_sources(cfg.train)
     datasets = [(sources, 1.0)] if isinstance(sources, str) else list(sources)
     facts = _facts(datasets, so)
+    changed = _changed_since(history, facts)
+    if changed:
+        print(f"ledger: error: {changed}", file=sys.stderr)
+        return 1
     # the run's own planner says what each epoch holds (metadata only; a mixture's repeats are planned ones)
     planner = make_planner(sources, seed=cfg.train.seed, cfg=cfg.stream, storage_options=so)
     sizes = [len(f.durations_s) for f in facts]

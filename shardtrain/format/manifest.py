@@ -9,6 +9,8 @@ Summaries and integrity checks over a Dataset live in `shardtrain.inspect`.
 """
 from __future__ import annotations
 
+import hashlib
+
 import io
 import json
 from dataclasses import asdict, dataclass, field
@@ -96,6 +98,16 @@ class Dataset:
 
     def shard_url(self, i: int) -> str:
         return storage.join(self.url, self.shards[i].name)
+
+    @property
+    def content_id(self) -> str:
+        """The dataset's content identity: a hash of every shard's name and sha256 from the manifest. The index
+        fingerprint (offsets, durations) stays the same when a re-pack changes audio but not layout; this does
+        not, so a resume or a ledger over changed bytes is refused instead of mixing old and new audio."""
+        h = hashlib.sha1()
+        for s in self.shards:
+            h.update(f"{s.name}:{s.sha256}\n".encode())
+        return h.hexdigest()[:16]
 
     @property
     def index_url(self) -> str:

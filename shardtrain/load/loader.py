@@ -242,6 +242,10 @@ class Loader:
         if state.get("dataset") != self.fingerprint:
             raise StreamError("loader state belongs to a different dataset (index fingerprint differs); "
                               "resume with the dataset the run started on")
+        if "content" in state and state["content"] != self.planner.content:  # states before content ids: skipped
+            raise StreamError(f"the content of {', '.join(self.planner.datasets)} changed since this state was saved "
+                              "(shard sha256 differ: re-packed with other audio or text); resuming would mix old "
+                              "and new data. Resume on the dataset the run started on, or start a new run (--out)")
         at_boundary = int(state["step"]) == 0 and not state.get("chain")
         if state.get("bucket") != _cfg_fingerprint(self.cfg.bucket):
             if not at_boundary:  # mid-epoch the rest of the epoch is the old plan's: only it can continue
@@ -267,7 +271,8 @@ class Loader:
     def state_dict(self) -> dict:
         """State after the last yielded batch (resuming from it yields the next batch)."""
         c = self.cursor
-        return {"version": STATE_VERSION, "dataset": self.fingerprint, "bucket": self._bucket_fingerprint,
+        return {"version": STATE_VERSION, "dataset": self.fingerprint, "content": self.planner.content,
+                "bucket": self._bucket_fingerprint,
                 "seed": self.seed, "planner": self.planner.name, "world_size": self.world.world_size,
                 "epoch": c.epoch, "step": c.step, "chain": [list(x) for x in c.chain],
                 "counters": {k: list(v) if isinstance(v, list) else v for k, v in self.counters.items()},

@@ -66,6 +66,7 @@ class MixturePlanner:
         parts = [open_dataset(u, storage_options, direct_http=cfg.s3_direct_http, budget_s=cfg.retry_budget_s)
                  for u in self.datasets]
         self.data = Shards.of(parts, storage_options)
+        self.content = hashlib.sha1(json.dumps([d.content_id for d in parts]).encode()).hexdigest()[:16]
         rows = sum(s.samples for d in parts for s in d.shards)
         self.name = "blocks" if by_blocks(cfg, rows, f"the mixture {self.datasets}") else "rows"
         self._lock = threading.Lock()

@@ -110,6 +110,9 @@ class Planner(Protocol):
     """"rows" or "blocks" (a mixture's too): kept in the state, a mid-epoch resume needs the same."""
     fingerprint: str
     """The data's identity (index fingerprint; a mixture's: its datasets' and weights'), checked on resume."""
+    content: str
+    """The data's content identity (Dataset.content_id: shard sha256s; a mixture's: its datasets'), checked on
+    resume, so a same-layout re-pack is refused instead of mixing old and new audio."""
     data: Shards
     datasets: list[str]
     too_long: int
@@ -174,7 +177,7 @@ class RowsPlanner:
         table = ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
         self.sample_rate_hz = _one_rate(ds.url, np.unique(numpy_of(table.column("sample_rate_hz"))))
         self.idx = PlanIndex.from_table(table)
-        self.fingerprint = self.idx.fingerprint()
+        self.fingerprint, self.content = self.idx.fingerprint(), ds.content_id
         self.bucket, self.seed = cfg.bucket, seed
         self.data, self.datasets = Shards.of([ds], storage_options), [ds.url]
         self.too_long = int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum())
@@ -241,7 +244,7 @@ class BlocksPlanner:
 
     def __init__(self, ds: Dataset, cfg: StreamConfig, seed: int, storage_options: dict | None):
         mi, self.blocks = open_blocks(ds, cfg)
-        self.idx, self.fingerprint = mi.idx, mi.meta["fingerprint"]
+        self.idx, self.fingerprint, self.content = mi.idx, mi.meta["fingerprint"], ds.content_id
         self.sample_rate_hz = _one_rate(ds.url, np.asarray(mi.meta["sample_rates"]))
         self.bucket, self.seed = cfg.bucket, seed
         self.data, self.datasets = Shards.of([ds], storage_options), [ds.url]

@@ -78,23 +78,28 @@ def _kept(cfg: PackConfig, info) -> bool:
 
 
 def _probe_one(cfg: PackConfig, item):
-    """(AudioInfo, file size or 0) or (exception, None); never raises, so one bad file costs one reject.
-    The size costs one extra stat (a HEAD on S3), so it is fetched only for files that will be kept."""
+    """(AudioInfo, file size or 0, stamp) or (exception, None, ""); never raises, so one bad file costs one reject.
+
+    A local file's stamp (size and mtime_ns, one stat) goes into its sample digest, so the dataset fingerprint
+    changes when a file is rewritten in place: a re-pack (or a resumed pack) over edited audio of the same length
+    writes the new bytes instead of finding the old dataset "already complete". Remote inputs have no stamp (it
+    would cost a HEAD each); their size is fetched only for files that will be kept."""
     from shardtrain.pack.probe import probe
 
     try:
         info = probe(str(item.audio), cfg.storage_options)
     except Exception as e:  # noqa: BLE001 - AudioError, soundfile/OS errors: all reject this item
-        return e, None
-    nbytes = 0
-    if _kept(cfg, info):
-        path = str(item.audio)
-        try:
-            nbytes = os.path.getsize(path) if _is_local(path) and "#bytes=" not in path else \
-                storage.size(path, cfg.storage_options)
-        except Exception:  # noqa: BLE001 - only used for the size estimate
-            pass
-    return info, nbytes
+        return e, None, ""
+    nbytes, stamp, path = 0, "", str(item.audio)
+    try:
+        if _is_local(path) and "#bytes=" not in path:
+            st = os.stat(path)
+            nbytes, stamp = st.st_size, f"{st.st_size}:{st.st_mtime_ns}"
+        elif _kept(cfg, info):
+            nbytes = storage.size(path, cfg.storage_options)
+    except Exception:  # noqa: BLE001 - only used for the size estimate and the stamp
+        pass
+    return info, nbytes, stamp
 
 
 def _is_local(path: str) -> bool:
@@ -140,10 +145,13 @@ def _filter(cfg: PackConfig, item, info) -> tuple[float, dict | None]:
     return (duration_s, None) if problem is None else reject(*problem)
 
 
-def sample_digest(s: PlannedSample) -> bytes:
-    """sha256[:16] of everything that shapes a sample's bytes except its key (the driver adds the key)."""
+def sample_digest(s: PlannedSample, stamp: str = "") -> bytes:
+    """sha256[:16] of everything that shapes a sample's bytes except its key (the driver adds the key), and the
+    source file's stamp (`_probe_one`)."""
     ident = s.identity()
     ident.pop("key")
+    if stamp:
+        ident["stamp"] = stamp
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).digest()[:DIGEST_BYTES]
 
 
@@ -208,7 +216,7 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
     digest = np.zeros(m, f"S{DIGEST_BYTES}")
     late: dict[int, dict] = {}
     records: list[Any] = []
-    for j, (item, (info, nbytes)) in enumerate(zip(cands, probed)):
+    for j, (item, (info, nbytes, stamp)) in enumerate(zip(cands, probed)):
         duration_s, reject = _filter(cfg, item, info)
         if reject is not None:
             late[j] = reject
@@ -216,7 +224,8 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
             continue
         e = _estimate_bytes(cfg, info, duration_s, nbytes)
         ok[j], dur[j], est[j] = True, duration_s, e
-        digest[j] = sample_digest(PlannedSample(key="", item=item, info=info, duration_s=duration_s, est_bytes=e))
+        digest[j] = sample_digest(PlannedSample(key="", item=item, info=info, duration_s=duration_s, est_bytes=e),
+                                  stamp)
         records.append((item, info, duration_s, e))
     scan = PartScan(index=part.index, items=n, early=early, pos=np.asarray(positions, np.int32),
                     ids=string_array([c.id for c in cands]), keys=string_array([sanitize_key(c.id) for c in cands]),

@@ -28,6 +28,8 @@ class DatasetFacts:
     """float [rows] of the dataset's index."""
     keys: np.ndarray | None = None
     """str [rows] (for naming rows); None prints row numbers."""
+    content: str = ""
+    """Dataset.content_id today, checked against the one each attempt recorded."""
 
 
 def counts_from_selection(source: np.ndarray, row: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from shardtrain import faults
+from shardtrain.format.manifest import open_dataset
 from shardtrain.format.safe import printable
 from shardtrain.storage.lock import LockHeld
 
@@ -628,7 +629,10 @@ def _start_ledger(tc, run: _Run, out: Path, world: World, comm: Collectives,
     """This rank's ledger for the attempt starting at run.step; the attempt is named by rank 0's clock."""
     t_ms = int(comm.sum([time.time() * 1000.0 if world.is_main else 0.0])[0])
     sources = data_sources(tc)
-    datasets = [{"url": u, "weight": w} for u, w in ([(sources, 1.0)] if isinstance(sources, str) else sources)]
+    pairs = [(sources, 1.0)] if isinstance(sources, str) else sources
+    # content ids (shard sha256s) let `shardtrain ledger` refuse a dataset re-packed since (same rows, other audio)
+    datasets = [{"url": u, "weight": w, "content": open_dataset(u, storage_options).content_id} if world.is_main
+                else {"url": u, "weight": w} for u, w in pairs]
     ledger = LedgerWriter(out, rank=world.rank, attempt=attempt_id(run.step, t_ms),
                           remote=tc.out_dir if ckpt.is_remote(tc.out_dir) else None, storage_options=storage_options)
     if world.is_main:
