@@ -91,7 +91,7 @@ def _kaldi_table(fs: fsspec.AbstractFileSystem, path: str, rejects: list[Reject]
         data = read_bounded(fs, path, MAX_TABLE_BYTES)
     except InputFileError as e:  # the whole corpus depends on this table: refuse the input, in one line
         raise ValueError(f"Kaldi table {e}") from None
-    for n, raw in enumerate(data.splitlines(), 1):
+    for n, raw in enumerate(data.split(b"\n"), 1):  # never splitlines(): a lone \r is text
         try:
             line = raw.decode("utf-8").strip()
         except UnicodeDecodeError as e:

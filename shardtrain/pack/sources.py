@@ -84,6 +84,13 @@ class Reject:
     reason: str
 
 
+def split_lines(text: str) -> list[str]:
+    """Lines of a line-oriented manifest: split at "\\n" only (a "\\r\\n" ending loses its "\\r"). Never
+    `str.splitlines()`, which also splits at U+2028, U+0085, form feeds and lone "\\r" that are part of a
+    transcript: the tail would become a bogus line and the transcript would be packed cut short."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 # ---- filesystem helpers ---------------------------------------------------------------------------------------
 def _fs(url: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, path = storage.fs_and_path(url, storage_options)  # one way to open a URL, with the S3 tuning
@@ -438,7 +445,7 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: lis
         audio = {posixpath.splitext(posixpath.basename(p))[0]: p for p in sorted(fs.ls(chapter_dir, detail=False))
                  if p.lower().endswith(AUDIO_EXTENSIONS)}
         try:
-            lines = read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8").splitlines()
+            lines = split_lines(read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8"))
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), _ref(fs, trans), f"bad_transcript_encoding: {e}")
             continue
