@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 from shardtrain.format.codecs import CODECS
@@ -23,13 +24,19 @@ def _add_pack(sub) -> None:
     p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
     p.add_argument("--source-format", default="auto",
                    help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
-                        "commonvoice (default: auto)")
+                        "commonvoice, ljspeech (default: auto; a folder with metadata.csv is read through it)")
     p.add_argument("--split", default=None, metavar="NAME",
                    help="split of a Hugging Face DatasetDict folder (one with dataset_dict.json), e.g. train; "
                         "required for such a folder (the error lists its splits)")
     p.add_argument("--text-column", default=None,
-                   help="transcript column of a Hugging Face dataset input (default: text, sentence, transcription, "
-                        "... whichever exists)")
+                   help="transcript column of a Hugging Face dataset or a CSV/TSV/JSONL manifest (default: text, "
+                        "transcript, sentence, transcription, ... whichever exists)")
+    p.add_argument("--audio-column", default=None,
+                   help="audio path column of a CSV/TSV/JSONL manifest, relative paths against its folder (default: "
+                        "path, audio, audio_filepath, file_name, wav_filename, whichever exists)")
+    p.add_argument("--delimiter", default=None, type=_delimiter,
+                   help="field separator of a CSV/TSV manifest, one character or 'tab' (default: ',' for .csv, tab "
+                        "for .tsv)")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
                         "client_kwargs='{\"endpoint_url\": \"http://127.0.0.1:8333\"}' or profile=NAME). " + _CREDS_HELP)
@@ -75,6 +82,13 @@ def _add_pack(sub) -> None:
     p.set_defaults(func=_cmd_pack)
 
 
+def _delimiter(value: str) -> str:
+    value = "\t" if value in ("tab", "\\t") else value
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"--delimiter must be one character or 'tab', got {value!r}")
+    return value
+
+
 def _cmd_pack(args) -> int:
     import json
 
@@ -84,6 +98,7 @@ def _cmd_pack(args) -> int:
     try:
         cfg = PackConfig(
             input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
+            audio_column=args.audio_column, delimiter=args.delimiter,
             split=args.split, channels_policy=args.channels_policy,
             storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
             sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,

@@ -32,8 +32,9 @@ from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, Inpu
 
 log = logging.getLogger(__name__)
 
-SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse", "kaldi", "hf", "commonvoice")
-"""kaldi, hf and commonvoice are read by pack/corpora.py."""
+SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse", "kaldi", "hf", "commonvoice",
+                  "ljspeech")
+"""kaldi, hf and commonvoice are read by pack/corpora.py, ljspeech (and a folder's metadata.csv) by pack/metadata.py."""
 AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio files a "dir" source picks up (case-insensitive); anything else in the tree is ignored."""
 TRANSCRIPT_EXTENSIONS = (".txt", ".lab")
@@ -41,8 +42,8 @@ TRANSCRIPT_EXTENSIONS = (".txt", ".lab")
 this order of preference."""
 
 # Manifest column/key aliases (first match wins). Everything not named here goes to Item.extra.
-_PATH_KEYS = ("path", "audio", "audio_filepath")
-_TEXT_KEYS = ("text", "transcript", "sentence")
+_PATH_KEYS = ("path", "audio", "audio_filepath", "file_name", "wav_filename")  # NeMo, HF audiofolder, DeepSpeech
+_TEXT_KEYS = ("text", "transcript", "sentence", "transcription")
 _SPEAKER_KEYS = ("speaker", "speaker_id")
 _LANGUAGE_KEYS = ("language", "lang", "locale")
 _ID_KEYS = ("id", "utt_id", "key")
@@ -73,6 +74,28 @@ class Item:
     language: str | None = None
     extra: tuple[tuple[str, Any], ...] = ()
     """Extra manifest fields, JSON-able values, sorted by name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """How a csv/tsv/jsonl manifest names its fields when the aliases above do not fit (`--audio-column`,
+    `--text-column`, `--delimiter`). A named column the table lacks is a ValueError listing the ones it has."""
+
+    audio: str | None = None
+    text: str | None = None
+    delimiter: str | None = None
+    """Field separator of a csv/tsv table (default: "," for .csv, tab for .tsv), e.g. "|"."""
+
+    def keys(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(audio keys, text keys), lower-case, to try in order."""
+        return ((self.audio.lower(),) if self.audio else _PATH_KEYS,
+                (self.text.lower(),) if self.text else _TEXT_KEYS)
+
+    def check(self, names: Iterable[str], where: str) -> None:
+        low = {str(n).lower() for n in names}
+        for flag, col in (("--audio-column", self.audio), ("--text-column", self.text)):
+            if col and col.lower() not in low:
+                raise ValueError(f"{where}: no column {col!r} ({flag}); it has {sorted(names)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +194,13 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
             return "lhotse" if ("supervisions" in rec or "recording" in rec) else "jsonl"
         raise ValueError(f"input {input!r} is a file of unknown type; expected {looked_for} "
                          "(or pass --source-format explicitly)")
+    from shardtrain.pack import metadata  # noqa: PLC0415 - metadata imports this module
+
     if _trans_files(fs, path):
         return "librispeech"
+    table = metadata.metadata_file(fs, path)  # LJSpeech, Hugging Face audiofolder
+    if table is not None:
+        return table[1]
     for _root, _dirs, files in (os.walk(path, followlinks=True) if _is_local_fs(fs) else fs.walk(path)):
         if any(f.lower().endswith(AUDIO_EXTENSIONS) for f in files):
             return "dir"
@@ -190,20 +218,36 @@ def resolve_format(input: str, source_format: str, storage_options: dict | None)
 
 
 def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None, *,
-               text_column: str | None = None, split: str | None = None) -> Iterator[Item | Reject]:
+               text_column: str | None = None, split: str | None = None, audio_column: str | None = None,
+               delimiter: str | None = None) -> Iterator[Item | Reject]:
     """Yield one Item (or Reject) per utterance of `input`, in a deterministic order. `text_column` names the
-    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present); `split`
-    picks the split of a Hugging Face DatasetDict folder (required for one: ValueError listing its splits)."""
+    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present) or of a
+    csv/tsv/jsonl manifest, `audio_column` a manifest's audio path column, `delimiter` a csv/tsv table's field
+    separator (Columns); `split` picks the split of a Hugging Face DatasetDict folder (required for one: ValueError
+    listing its splits). A folder with a metadata.csv/.tsv/.jsonl is read through that table (pack/metadata.py)."""
+    from shardtrain.pack import metadata  # noqa: PLC0415 - metadata imports this module
+
     source_format = resolve_format(input, source_format, storage_options)
     fs, path = _fs(input, storage_options)
     if not fs.exists(path):
         raise ValueError(f"input {input!r} does not exist")
+    columns = Columns(audio=audio_column, text=text_column, delimiter=delimiter)
+    if source_format in ("tsv", "csv", "jsonl", "ljspeech") and fs.isdir(path):
+        found = metadata.metadata_file(fs, path)
+        if found is None:
+            raise ValueError(f"input folder {input!r} has no {'/'.join(n for n, _ in metadata.METADATA_FILES)} "
+                             f"to read as {source_format}; pass the manifest file itself as INPUT")
+        if source_format == "ljspeech":
+            return metadata.iter_ljspeech(fs, path, found[0])
+        path = found[0]
+    if source_format == "ljspeech":
+        raise ValueError(f"--source-format ljspeech needs the LJSpeech folder (metadata.csv + wavs/), got {input!r}")
     if source_format == "dir":
         return _iter_dir(fs, path)
     if source_format in ("tsv", "csv"):
-        return _iter_table(fs, path, delimiter="\t" if source_format == "tsv" else ",")
+        return _iter_table(fs, path, columns.delimiter or ("\t" if source_format == "tsv" else ","), columns)
     if source_format == "jsonl":
-        return _iter_jsonl(fs, path)
+        return _iter_jsonl(fs, path, columns)
     if source_format == "librispeech":
         return _iter_librispeech(fs, path)
     if source_format in ("kaldi", "hf", "commonvoice"):
@@ -323,7 +367,7 @@ def _opt_str(v: Any) -> str | None:
 
 
 def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.AbstractFileSystem,
-                    has_offset_field: bool) -> Item | Reject:
+                    has_offset_field: bool, columns: Columns = Columns()) -> Item | Reject:
     """One manifest record (TSV/CSV row or JSON object) -> Item. Known fields match case-insensitively; other
     fields go to `extra` under their original names.
 
@@ -331,9 +375,10 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.A
     extension; when the manifest has offsets, `_<offset in ms>` is appended so segments of one file stay distinct.
     """
     low = {str(k).lower(): v for k, v in rec.items()}
-    audio = _pick(low, _PATH_KEYS)
+    path_keys, text_keys = columns.keys()
+    audio = _pick(low, path_keys)
     if audio is None:
-        return Reject(where, where, f"missing_path: no {'/'.join(_PATH_KEYS)} field")
+        return Reject(where, where, f"missing_path: no {'/'.join(path_keys)} field (name it with --audio-column)")
     audio = str(audio)
     ref = _resolve(base_dir, audio, fs)
     try:
@@ -356,10 +401,11 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.A
         item_id = posixpath.splitext(rel)[0]
         if has_offset_field:
             item_id = f"{item_id}_{round(start_s * 1000):d}"
-    text = _pick(low, _TEXT_KEYS)
-    if text is None and any(k in low for k in _TEXT_KEYS):
+    text = _pick(low, text_keys)
+    if text is None and any(k in low for k in text_keys):
         text = ""  # the field exists but is empty: an (allowed) empty transcript, not a missing one
-    extra = tuple(sorted((str(k), v) for k, v in rec.items() if str(k).lower() not in _KNOWN_KEYS))
+    known = _KNOWN_KEYS.union(path_keys, text_keys)
+    extra = tuple(sorted((str(k), v) for k, v in rec.items() if str(k).lower() not in known))
     return Item(id=str(item_id), audio=ref, text=None if text is None else str(text), start_s=start_s,
                 duration_s=duration_s, speaker=_opt_str(_pick(low, _SPEAKER_KEYS)),
                 language=_opt_str(_pick(low, _LANGUAGE_KEYS)), extra=extra)
@@ -379,7 +425,8 @@ def table_rows(reader: Any, path: str, header: list[str]) -> Iterator[tuple[str,
         yield where, dict(zip(header, row))
 
 
-def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Iterator[Item | Reject]:
+def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str, columns: Columns = Columns()
+                ) -> Iterator[Item | Reject]:
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
     base = posixpath.dirname(path)
@@ -390,9 +437,10 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
         if header is None:
             return
         header = [h.strip().lstrip("\ufeff") for h in header]
+        columns.check(header, path)
         has_offset = any(k.lower() in _OFFSET_KEYS for k in header)
         for x in table_rows(reader, path, header):
-            yield x if isinstance(x, Reject) else _record_to_item(x[1], x[0], base, fs, has_offset)
+            yield x if isinstance(x, Reject) else _record_to_item(x[1], x[0], base, fs, has_offset, columns)
 
 
 def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
@@ -413,7 +461,7 @@ def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str,
             yield where, rec
 
 
-def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Reject]:
+def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str, columns: Columns = Columns()) -> Iterator[Item | Reject]:
     """One JSON object per line (NeMo keys audio_filepath/text/duration/offset accepted); blank lines skipped."""
     base = posixpath.dirname(path)
     for got in _json_lines(fs, path):
@@ -422,7 +470,7 @@ def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Rej
             continue
         where, rec = got
         has_offset = any(str(k).lower() in _OFFSET_KEYS for k in rec)
-        yield _record_to_item(rec, where, base, fs, has_offset)
+        yield _record_to_item(rec, where, base, fs, has_offset, columns)
 
 
 # ---- LibriSpeech ----------------------------------------------------------------------------------------------
