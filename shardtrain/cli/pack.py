@@ -18,7 +18,8 @@ def _add_pack(sub) -> None:
 
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
-                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder, Lhotse CutSet "
+                   help="corpus: folder (x.flac + x.txt, or a metadata.csv), TSV/CSV/JSONL manifest, LibriSpeech or "
+                        "LJSpeech folder, Lhotse CutSet "
                         "(.jsonl/.jsonl.gz), Kaldi data dir, Hugging Face dataset (.arrow/.parquet) or Common Voice "
                         "release; any fsspec URL")
     p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")

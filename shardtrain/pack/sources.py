@@ -167,14 +167,16 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     or a Common Voice release (clips/ + TSVs; a TSV with path, sentence and client_id beside clips/); `.tsv` / `.csv`
     files; `.jsonl[.gz]` files are "lhotse" when the first record has a
     "supervisions" or "recording" key, else "jsonl"; a folder with `<a>/<b>/*.trans.txt` is "librispeech"; a folder
-    holding at least one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
+    with a metadata.csv/.tsv/.jsonl is "ljspeech" (metadata.py) or that table's format; a folder holding at least
+    one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
     for "dir") a walk that stops at the first audio file.
     """
     from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
 
     fs, path = _fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
-                  f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts, a Kaldi "
+                  f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts or a "
+                  "metadata.csv (Hugging Face audiofolder, LJSpeech), a Kaldi "
                   "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, a save_to_disk folder, or a "
                   "DatasetDict folder with dataset_dict.json and --split) or a Common Voice release "
                   "(clips/ + validated.tsv)")
