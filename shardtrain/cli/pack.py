@@ -94,6 +94,7 @@ def _cmd_pack(args) -> int:
     import json
 
     from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.pack.nothing import NothingAccepted
     from shardtrain.pack.shard_task import PackError
 
     try:
@@ -111,6 +112,9 @@ def _cmd_pack(args) -> int:
             engine=args.engine, ray_address=args.ray_address,
         )
         r = pack(cfg)
+    except NothingAccepted as e:  # a runtime outcome of the input, like inputs skipped: exit status 1
+        report_error("pack", e)
+        return 1
     except (ValueError, PackError) as e:
         return report_error("pack", e)
     empty = r.samples == 0  # a dataset with nothing in it is a failed pack, not a success to find out about later

@@ -11,8 +11,14 @@ from collections import Counter
 
 from shardtrain import storage
 from shardtrain.format.safe import printable
+from shardtrain.pack.shard_task import PackError
 
 TABLE_SUFFIXES = (".csv", ".tsv", ".txt", ".jsonl")
+
+
+class NothingAccepted(PackError):
+    """Every utterance was rejected: no dataset is written. A runtime outcome of the input (exit status 1, like
+    inputs skipped), told apart from PackError's refusals of flags and OUTPUT."""
 
 
 def _tables_beside(input: str, storage_options: dict | None) -> list[str]:

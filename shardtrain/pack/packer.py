@@ -415,8 +415,8 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
              plan.samples, plan.shards, len(rejects.rows), probe_s)
 
     if not plan.samples:  # every utterance rejected before encoding: refuse, write nothing
-        from shardtrain.pack.nothing import nothing_accepted_message
-        raise PackError(nothing_accepted_message(str(cfg.input), cfg.source_format, rejects.rows, so))
+        from shardtrain.pack.nothing import NothingAccepted, nothing_accepted_message
+        raise NothingAccepted(nothing_accepted_message(str(cfg.input), cfg.source_format, rejects.rows, so))
     state = _existing_state(cfg, out, fp)
     if state == "complete":
         log.info("%s already holds this dataset (same fingerprint); nothing to write", out)
@@ -480,11 +480,11 @@ def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _Inde
         "shards": [s.to_dict() for s in shards],
     }
     if not n_rows:  # every utterance rejected while encoding: remove what was written, write no dataset
-        from shardtrain.pack.nothing import nothing_accepted_message
+        from shardtrain.pack.nothing import NothingAccepted, nothing_accepted_message
         for n in storage.ls_names(out, so):
             if n.startswith("shard-") or n in (index.INDEX, REJECTS, WORK):
                 storage.remove(storage.join(out, n), so, recursive=(n == WORK))
-        raise PackError(nothing_accepted_message(str(cfg.input), cfg.source_format, all_rejects, so))
+        raise NothingAccepted(nothing_accepted_message(str(cfg.input), cfg.source_format, all_rejects, so))
     index.write_manifest(out, manifest, so)  # commit point
     storage.remove(storage.join(out, WORK), so, recursive=True)
     return manifest, all_rejects

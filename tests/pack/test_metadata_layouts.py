@@ -83,7 +83,7 @@ def test_pack_that_accepts_nothing_writes_no_dataset_and_says_why(tmp_path):
         f"u{i}.wav,word {i}\n" for i in range(5)))
     p = _pack(tmp_path / "corpus", tmp_path / "ds")
     lines = [x for x in p.stderr.split("\n") if x.strip() and " INFO " not in x and " WARNING " not in x]
-    assert p.returncode != 0 and len(lines) == 1, p.stderr[-2000:]
+    assert p.returncode == 1 and len(lines) == 1, p.stderr[-2000:]
     assert "no utterance accepted" in lines[0] and "missing_transcript x5" in lines[0]
     assert "labels.csv" in lines[0] and "--audio-column" in lines[0] and "no dataset written" in lines[0]
     assert not (tmp_path / "ds" / "manifest.json").exists()

@@ -325,7 +325,7 @@ def test_cli_pack_that_accepts_nothing_exits_nonzero(tmp_path, capsys):
     src.mkdir()
     (src / "a.flac").write_bytes(b"not audio at all" * 8)
     (src / "a.txt").write_text("HELLO\n")
-    assert cli.main(["pack", str(src), str(tmp_path / "out"), "--no-progress"]) == 2
+    assert cli.main(["pack", str(src), str(tmp_path / "out"), "--no-progress"]) == 1
     err = [x for x in capsys.readouterr().err.split("\n") if x.startswith("pack: error")]
     assert len(err) == 1 and "no utterance accepted" in err[0] and "unreadable_audio x1" in err[0], err
     assert "no dataset written" in err[0]
