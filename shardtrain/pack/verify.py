@@ -73,8 +73,9 @@ MAX_SHOWN = 10
 
 
 def _charset(texts: list[str]) -> dict[str, int]:
-    """{character: occurrences} over every transcript, most frequent first. One bincount over the code points
-    (about 0.1 s per 10 M characters), so a million-row index costs well under a second."""
+    """{character: occurrences} over every transcript, most frequent first. One bincount over the code points:
+    about 0.4 s per 10 M characters (a million 75-character transcripts: ~3 s, measured on 2 loaded cores), plus
+    4 bytes a character of memory while it runs."""
     codes = np.frombuffer("".join(t for t in texts if t).encode("utf-32-le"), dtype=np.uint32)
     counts = np.bincount(codes) if codes.size else np.zeros(0, np.int64)
     used = np.flatnonzero(counts)
