@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 from shardtrain.format.codecs import CODECS
@@ -17,19 +18,26 @@ def _add_pack(sub) -> None:
 
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
     p.add_argument("input", metavar="INPUT",
-                   help="corpus: folder (x.flac + x.txt), TSV/CSV/JSONL manifest, LibriSpeech folder, Lhotse CutSet "
+                   help="corpus: folder (x.flac + x.txt, or a metadata.csv), TSV/CSV/JSONL manifest, LibriSpeech or "
+                        "LJSpeech folder, Lhotse CutSet "
                         "(.jsonl/.jsonl.gz), Kaldi data dir, Hugging Face dataset (.arrow/.parquet) or Common Voice "
                         "release; any fsspec URL")
     p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
     p.add_argument("--source-format", default="auto",
                    help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
-                        "commonvoice (default: auto)")
+                        "commonvoice, ljspeech (default: auto; a folder with metadata.csv is read through it)")
     p.add_argument("--split", default=None, metavar="NAME",
                    help="split of a Hugging Face DatasetDict folder (one with dataset_dict.json), e.g. train; "
                         "required for such a folder (the error lists its splits)")
     p.add_argument("--text-column", default=None,
-                   help="transcript column of a Hugging Face dataset input (default: text, sentence, transcription, "
-                        "... whichever exists)")
+                   help="transcript column of a Hugging Face dataset or a CSV/TSV/JSONL manifest (default: text, "
+                        "transcript, sentence, transcription, ... whichever exists)")
+    p.add_argument("--audio-column", default=None,
+                   help="audio path column of a CSV/TSV/JSONL manifest, relative paths against its folder (default: "
+                        "path, audio, audio_filepath, file_name, wav_filename, whichever exists)")
+    p.add_argument("--delimiter", default=None, type=_delimiter,
+                   help="field separator of a CSV/TSV manifest, one character or 'tab' (default: ',' for .csv, tab "
+                        "for .tsv)")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
                         "client_kwargs='{\"endpoint_url\": \"http://127.0.0.1:8333\"}' or profile=NAME). " + _CREDS_HELP)
@@ -75,15 +83,24 @@ def _add_pack(sub) -> None:
     p.set_defaults(func=_cmd_pack)
 
 
+def _delimiter(value: str) -> str:
+    value = "\t" if value in ("tab", "\\t") else value
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"--delimiter must be one character or 'tab', got {value!r}")
+    return value
+
+
 def _cmd_pack(args) -> int:
     import json
 
     from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.pack.nothing import NothingAccepted
     from shardtrain.pack.shard_task import PackError
 
     try:
         cfg = PackConfig(
             input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
+            audio_column=args.audio_column, delimiter=args.delimiter,
             split=args.split, channels_policy=args.channels_policy,
             storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
             sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
@@ -95,6 +112,9 @@ def _cmd_pack(args) -> int:
             engine=args.engine, ray_address=args.ray_address,
         )
         r = pack(cfg)
+    except NothingAccepted as e:  # a runtime outcome of the input, like inputs skipped: exit status 1
+        report_error("pack", e)
+        return 1
     except (ValueError, PackError) as e:
         return report_error("pack", e)
     empty = r.samples == 0  # a dataset with nothing in it is a failed pack, not a success to find out about later

@@ -3,7 +3,8 @@
     no manifest.json at URL -> look (a bounded listing, only on this error path):
         nothing there                          -> wrong path: check it
         _pack.lock / _work/ / shards / index   -> a pack in progress or interrupted: wait, or re-run pack (resumes)
-        audio or transcripts (3 levels deep)   -> an unpacked corpus: `shardtrain pack URL OUT`, then use OUT
+        audio or transcripts (3 levels deep,   -> an unpacked corpus: `shardtrain pack URL OUT`, then use OUT
+        depth first)
         anything else                          -> not a dataset: check the path
 
 Cost: at most MAX_LISTINGS directory listings (local: microseconds each; S3: one LIST request each), paid only
@@ -34,19 +35,25 @@ def _kind(name: str) -> str | None:
 
 
 def _survey(url: str, storage_options: dict | None) -> tuple[bool, set[str]]:
-    """(anything there, kinds found): the top level, then up to 3 levels of sub-folders, MAX_LISTINGS at most."""
+    """(anything there, kinds found): the top level, then up to 3 levels of sub-folders, MAX_LISTINGS at most.
+
+    Depth first, sub-folders in name order: a corpus keeps its audio at the bottom of a uniform tree (LibriSpeech
+    `<spk>/<chapter>/`, thousands of speakers), so the first branch reaches it in 3 listings at any width; breadth
+    first would spend the whole budget listing speaker folders.
+    """
     fs, path = storage.fs_and_path(url, storage_options)
     if fs.isfile(path):
         return True, {"file"}
     kinds: set[str] = set()
-    queue, listed, found = [(path, 0)], 0, False
-    while queue and listed < MAX_LISTINGS:
-        folder, depth = queue.pop(0)
+    stack, listed, found = [(path, 0)], 0, False
+    while stack and listed < MAX_LISTINGS:
+        folder, depth = stack.pop()
         try:
             entries = fs.ls(folder, detail=True)
         except (FileNotFoundError, NotADirectoryError):
             continue
         listed += 1
+        below = []
         for e in entries:
             found = True
             name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
@@ -56,7 +63,8 @@ def _survey(url: str, storage_options: dict | None) -> tuple[bool, set[str]]:
             if kind:
                 kinds.add(kind)
             if e.get("type") == "directory" and depth < 3 and kind != "pack":
-                queue.append((str(e["name"]), depth + 1))
+                below.append((str(e["name"]), depth + 1))
+        stack.extend(sorted(below, reverse=True))  # the first sub-folder by name is listed next
         if "pack" in kinds or "audio" in kinds:
             break
     return found, kinds

@@ -2,6 +2,8 @@
 
     sources.py     input formats (folder, TSV/CSV/JSONL, LibriSpeech, Lhotse cuts) -> Item | Reject
     corpora.py     Kaldi data dirs, Hugging Face datasets, Common Voice releases -> Item | Reject (via sources)
+    metadata.py    folders described by one table: LJSpeech (metadata.csv + wavs/), Hugging Face audiofolder
+    nothing.py     the one line a pack that accepted no utterance stops with (top reasons and the fix)
     probe.py       audio headers -> AudioInfo (duration, rate, channels, codec; exact MP3 lengths); reads
                    `file#bytes=START-END` references (audio inside an Arrow file or a Kaldi ark)
     transcode.py   keep original bytes or transcode to the target codec/rate/channels, with a decode check

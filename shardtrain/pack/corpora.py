@@ -91,7 +91,7 @@ def _kaldi_table(fs: fsspec.AbstractFileSystem, path: str, rejects: list[Reject]
         data = read_bounded(fs, path, MAX_TABLE_BYTES)
     except InputFileError as e:  # the whole corpus depends on this table: refuse the input, in one line
         raise ValueError(f"Kaldi table {e}") from None
-    for n, raw in enumerate(data.splitlines(), 1):
+    for n, raw in enumerate(data.split(b"\n"), 1):  # never splitlines(): a lone \r is text
         try:
             line = raw.decode("utf-8").strip()
         except UnicodeDecodeError as e:
@@ -101,6 +101,35 @@ def _kaldi_table(fs: fsspec.AbstractFileSystem, path: str, rejects: list[Reject]
             key, _, value = line.partition(" ")
             out[key] = value.strip()
     return out
+
+
+def _sox_rate_checked(path: str, rate: str | None, cmd: str) -> str | Reject:
+    """`path` when what `sox path -r RATE` produces is what packing `path` itself gives, else a Reject.
+
+    The pipe is not run, so its output rate must be derived: the file's own rate comes from its header (one small
+    read per recording). A pipe that resamples up (or to the same rate) adds no information and packing the file
+    gives the same content; one that resamples down band-limits the audio (`-r 8000`: telephone band), which
+    packing the file at its own rate would silently undo, so it is rejected with the fix.
+    """
+    if rate is None:
+        return path
+    try:
+        want = round(float(rate[:-1]) * 1000) if rate.lower().endswith("k") else round(float(rate))
+    except ValueError:
+        return Reject("", cmd, f"unsupported_pipe: sox -r {rate!r} is not a sample rate in {cmd!r}")
+    from shardtrain.pack.probe import probe  # noqa: PLC0415 - only wav.scp pipes with -r pay for the header read
+
+    try:
+        have = probe(path).sample_rate_hz
+    except FileNotFoundError:
+        return Reject("", path, f"missing_file: {path} does not exist")
+    except Exception as e:  # noqa: BLE001 - an unreadable header: this recording is rejected, the pack goes on
+        return Reject("", path, f"unreadable_audio: {path}: {type(e).__name__}: {e}")
+    if want >= have:
+        return path
+    return Reject("", path, f"unsupported_pipe: wav.scp resamples {path} from {have} Hz to {want} Hz (sox -r {rate}), "
+                            "which shardtrain does not run; resample those recordings to files first (e.g. "
+                            f"`sox in.wav -r {want} out.wav`) and point wav.scp at them")
 
 
 def _pipe_input(cmd: str) -> str | Reject:
@@ -119,7 +148,7 @@ def _pipe_input(cmd: str) -> str | Reject:
         rest = argv[2:-1]
         opts = dict(zip(rest[::2], rest[1::2])) if len(rest) % 2 == 0 else {}
         if opts.get("-t") in ("wav", "wavpcm") and set(opts) <= {"-t", "-r", "-b"} and not argv[1].startswith("-"):
-            return argv[1]
+            return _sox_rate_checked(argv[1], opts.get("-r"), cmd)
     if prog == "sph2pipe" and len(files) == 2 and files[0] == "wav" and set(flags) <= {"-f", "-p"}:
         return files[1]
     return Reject("", cmd, f"unsupported_pipe: wav.scp command {cmd!r} is not run (shardtrain executes nothing "

@@ -57,7 +57,12 @@ class PackConfig:
     source_format: str = "auto"
     """Input format (`--source-format`): auto, or one of sources.SOURCE_FORMATS."""
     text_column: str | None = None
-    """Transcript column of a Hugging Face dataset input (`--text-column`); None tries text, sentence, ..."""
+    """Transcript column of a Hugging Face dataset or csv/tsv/jsonl input (`--text-column`); None tries text,
+    sentence, ..."""
+    audio_column: str | None = None
+    """Audio path column of a csv/tsv/jsonl input (`--audio-column`); None tries path, audio, file_name, ..."""
+    delimiter: str | None = None
+    """Field separator of a csv/tsv input (`--delimiter`); None: "," for .csv, tab for .tsv."""
     storage_options: dict | None = field(default=None, repr=False)
     """fsspec options for INPUT and OUTPUT (`--storage-option k=v`), e.g. endpoint_url for S3."""
     codec: str = "flac"
@@ -153,6 +158,8 @@ class PackConfig:
             "source_format": self.source_format,
             **({"text_column": self.text_column} if self.text_column else {}),
             **({"split": self.split} if self.split else {}),
+            **({"audio_column": self.audio_column} if self.audio_column else {}),
+            **({"delimiter": self.delimiter} if self.delimiter else {}),
             **({"channels_policy": self.channels_policy} if self.channels_policy != "mix" else {}),
             **({"max_chars_per_s": self.max_chars_per_s} if self.max_chars_per_s != DEFAULT_MAX_CHARS_PER_S else {}),
         }
@@ -394,7 +401,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
                          keep_original=cfg.keep_original, verify_decode=cfg.decode_check,
                          channel_policy=cfg.channels_policy)
     parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column,
-                       split=cfg.split)
+                       split=cfg.split, audio_column=cfg.audio_column, delimiter=cfg.delimiter)
     if cfg.engine == "local" and cfg.workers > 1:
         engine.start_workers()  # their start (~0.8 s) overlaps the input listing
         threading.Thread(target=_warm_arrow, name="warm-arrow", daemon=True).start()
@@ -407,6 +414,9 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     log.info("planned %d samples in %d shards (%d rejected before encoding) in %.1fs",
              plan.samples, plan.shards, len(rejects.rows), probe_s)
 
+    if not plan.samples:  # every utterance rejected before encoding: refuse, write nothing
+        from shardtrain.pack.nothing import NothingAccepted, nothing_accepted_message
+        raise NothingAccepted(nothing_accepted_message(str(cfg.input), cfg.source_format, rejects.rows, so))
     state = _existing_state(cfg, out, fp)
     if state == "complete":
         log.info("%s already holds this dataset (same fingerprint); nothing to write", out)
@@ -469,9 +479,12 @@ def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _Inde
                    "bytes": sum(s.bytes for s in shards), "shards": len(shards), "rejects": len(all_rejects)},
         "shards": [s.to_dict() for s in shards],
     }
-    if not n_rows:
-        log.warning("no sample was accepted from %s (%d rejects); see %s", cfg.input, len(all_rejects),
-                    storage.join(out, REJECTS))
+    if not n_rows:  # every utterance rejected while encoding: remove what was written, write no dataset
+        from shardtrain.pack.nothing import NothingAccepted, nothing_accepted_message
+        for n in storage.ls_names(out, so):
+            if n.startswith("shard-") or n in (index.INDEX, REJECTS, WORK):
+                storage.remove(storage.join(out, n), so, recursive=(n == WORK))
+        raise NothingAccepted(nothing_accepted_message(str(cfg.input), cfg.source_format, all_rejects, so))
     index.write_manifest(out, manifest, so)  # commit point
     storage.remove(storage.join(out, WORK), so, recursive=True)
     return manifest, all_rejects

@@ -35,8 +35,8 @@ class SourcePart:
 
 
 def iter_parts(input: str, source_format: str = "auto", storage_options: dict | None = None,
-               part_items: int = 1024, *, text_column: str | None = None, split: str | None = None
-               ) -> Iterator[SourcePart]:
+               part_items: int = 1024, *, text_column: str | None = None, split: str | None = None,
+               audio_column: str | None = None, delimiter: str | None = None) -> Iterator[SourcePart]:
     """Split `input` into SourceParts of about `part_items` utterances (LibriSpeech: whole chapters); the other
     formats (manifests, Kaldi, Hugging Face, Common Voice) are read here by iter_items and cut into parts."""
     source_format = resolve_format(input, source_format, storage_options)
@@ -51,7 +51,8 @@ def iter_parts(input: str, source_format: str = "auto", storage_options: dict | 
         return
     chunk: list = []
     n = 0
-    for x in iter_items(input, source_format, storage_options, text_column=text_column, split=split):
+    for x in iter_items(input, source_format, storage_options, text_column=text_column, split=split,
+                        audio_column=audio_column, delimiter=delimiter):
         chunk.append(x)
         if len(chunk) >= part_items:
             yield SourcePart(index=n, input=input, source_format=source_format, items=tuple(chunk))

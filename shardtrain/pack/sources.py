@@ -32,8 +32,9 @@ from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, Inpu
 
 log = logging.getLogger(__name__)
 
-SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse", "kaldi", "hf", "commonvoice")
-"""kaldi, hf and commonvoice are read by pack/corpora.py."""
+SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse", "kaldi", "hf", "commonvoice",
+                  "ljspeech")
+"""kaldi, hf and commonvoice are read by pack/corpora.py, ljspeech (and a folder's metadata.csv) by pack/metadata.py."""
 AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio files a "dir" source picks up (case-insensitive); anything else in the tree is ignored."""
 TRANSCRIPT_EXTENSIONS = (".txt", ".lab")
@@ -41,8 +42,8 @@ TRANSCRIPT_EXTENSIONS = (".txt", ".lab")
 this order of preference."""
 
 # Manifest column/key aliases (first match wins). Everything not named here goes to Item.extra.
-_PATH_KEYS = ("path", "audio", "audio_filepath")
-_TEXT_KEYS = ("text", "transcript", "sentence")
+_PATH_KEYS = ("path", "audio", "audio_filepath", "file_name", "wav_filename")  # NeMo, HF audiofolder, DeepSpeech
+_TEXT_KEYS = ("text", "transcript", "sentence", "transcription")
 _SPEAKER_KEYS = ("speaker", "speaker_id")
 _LANGUAGE_KEYS = ("language", "lang", "locale")
 _ID_KEYS = ("id", "utt_id", "key")
@@ -76,12 +77,41 @@ class Item:
 
 
 @dataclass(frozen=True, slots=True)
+class Columns:
+    """How a csv/tsv/jsonl manifest names its fields when the aliases above do not fit (`--audio-column`,
+    `--text-column`, `--delimiter`). A named column the table lacks is a ValueError listing the ones it has."""
+
+    audio: str | None = None
+    text: str | None = None
+    delimiter: str | None = None
+    """Field separator of a csv/tsv table (default: "," for .csv, tab for .tsv), e.g. "|"."""
+
+    def keys(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(audio keys, text keys), lower-case, to try in order."""
+        return ((self.audio.lower(),) if self.audio else _PATH_KEYS,
+                (self.text.lower(),) if self.text else _TEXT_KEYS)
+
+    def check(self, names: Iterable[str], where: str) -> None:
+        low = {str(n).lower() for n in names}
+        for flag, col in (("--audio-column", self.audio), ("--text-column", self.text)):
+            if col and col.lower() not in low:
+                raise ValueError(f"{where}: no column {col!r} ({flag}); it has {sorted(names)}")
+
+
+@dataclass(frozen=True, slots=True)
 class Reject:
     """An input entry that cannot become an Item; `reason` is `code: details`, e.g. `missing_transcript: no x.txt`."""
 
     id: str
     path: str
     reason: str
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines of a line-oriented manifest: split at "\\n" only (a "\\r\\n" ending loses its "\\r"). Never
+    `str.splitlines()`, which also splits at U+2028, U+0085, form feeds and lone "\\r" that are part of a
+    transcript: the tail would become a bogus line and the transcript would be packed cut short."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
 # ---- filesystem helpers ---------------------------------------------------------------------------------------
@@ -137,14 +167,16 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     or a Common Voice release (clips/ + TSVs; a TSV with path, sentence and client_id beside clips/); `.tsv` / `.csv`
     files; `.jsonl[.gz]` files are "lhotse" when the first record has a
     "supervisions" or "recording" key, else "jsonl"; a folder with `<a>/<b>/*.trans.txt` is "librispeech"; a folder
-    holding at least one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
+    with a metadata.csv/.tsv/.jsonl is "ljspeech" (metadata.py) or that table's format; a folder holding at least
+    one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
     for "dir") a walk that stops at the first audio file.
     """
     from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
 
     fs, path = _fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
-                  f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts, a Kaldi "
+                  f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts or a "
+                  "metadata.csv (Hugging Face audiofolder, LJSpeech), a Kaldi "
                   "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, a save_to_disk folder, or a "
                   "DatasetDict folder with dataset_dict.json and --split) or a Common Voice release "
                   "(clips/ + validated.tsv)")
@@ -164,8 +196,13 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
             return "lhotse" if ("supervisions" in rec or "recording" in rec) else "jsonl"
         raise ValueError(f"input {input!r} is a file of unknown type; expected {looked_for} "
                          "(or pass --source-format explicitly)")
+    from shardtrain.pack import metadata  # noqa: PLC0415 - metadata imports this module
+
     if _trans_files(fs, path):
         return "librispeech"
+    table = metadata.metadata_file(fs, path)  # LJSpeech, Hugging Face audiofolder
+    if table is not None:
+        return table[1]
     for _root, _dirs, files in (os.walk(path, followlinks=True) if _is_local_fs(fs) else fs.walk(path)):
         if any(f.lower().endswith(AUDIO_EXTENSIONS) for f in files):
             return "dir"
@@ -183,20 +220,36 @@ def resolve_format(input: str, source_format: str, storage_options: dict | None)
 
 
 def iter_items(input: str, source_format: str = "auto", storage_options: dict | None = None, *,
-               text_column: str | None = None, split: str | None = None) -> Iterator[Item | Reject]:
+               text_column: str | None = None, split: str | None = None, audio_column: str | None = None,
+               delimiter: str | None = None) -> Iterator[Item | Reject]:
     """Yield one Item (or Reject) per utterance of `input`, in a deterministic order. `text_column` names the
-    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present); `split`
-    picks the split of a Hugging Face DatasetDict folder (required for one: ValueError listing its splits)."""
+    transcript column of a Hugging Face dataset (default: the first of corpora.HF_TEXT_COLUMNS present) or of a
+    csv/tsv/jsonl manifest, `audio_column` a manifest's audio path column, `delimiter` a csv/tsv table's field
+    separator (Columns); `split` picks the split of a Hugging Face DatasetDict folder (required for one: ValueError
+    listing its splits). A folder with a metadata.csv/.tsv/.jsonl is read through that table (pack/metadata.py)."""
+    from shardtrain.pack import metadata  # noqa: PLC0415 - metadata imports this module
+
     source_format = resolve_format(input, source_format, storage_options)
     fs, path = _fs(input, storage_options)
     if not fs.exists(path):
         raise ValueError(f"input {input!r} does not exist")
+    columns = Columns(audio=audio_column, text=text_column, delimiter=delimiter)
+    if source_format in ("tsv", "csv", "jsonl", "ljspeech") and fs.isdir(path):
+        found = metadata.metadata_file(fs, path)
+        if found is None:
+            raise ValueError(f"input folder {input!r} has no {'/'.join(n for n, _ in metadata.METADATA_FILES)} "
+                             f"to read as {source_format}; pass the manifest file itself as INPUT")
+        if source_format == "ljspeech":
+            return metadata.iter_ljspeech(fs, path, found[0])
+        path = found[0]
+    if source_format == "ljspeech":
+        raise ValueError(f"--source-format ljspeech needs the LJSpeech folder (metadata.csv + wavs/), got {input!r}")
     if source_format == "dir":
         return _iter_dir(fs, path)
     if source_format in ("tsv", "csv"):
-        return _iter_table(fs, path, delimiter="\t" if source_format == "tsv" else ",")
+        return _iter_table(fs, path, columns.delimiter or ("\t" if source_format == "tsv" else ","), columns)
     if source_format == "jsonl":
-        return _iter_jsonl(fs, path)
+        return _iter_jsonl(fs, path, columns)
     if source_format == "librispeech":
         return _iter_librispeech(fs, path)
     if source_format in ("kaldi", "hf", "commonvoice"):
@@ -316,7 +369,7 @@ def _opt_str(v: Any) -> str | None:
 
 
 def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.AbstractFileSystem,
-                    has_offset_field: bool) -> Item | Reject:
+                    has_offset_field: bool, columns: Columns = Columns()) -> Item | Reject:
     """One manifest record (TSV/CSV row or JSON object) -> Item. Known fields match case-insensitively; other
     fields go to `extra` under their original names.
 
@@ -324,9 +377,10 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.A
     extension; when the manifest has offsets, `_<offset in ms>` is appended so segments of one file stay distinct.
     """
     low = {str(k).lower(): v for k, v in rec.items()}
-    audio = _pick(low, _PATH_KEYS)
+    path_keys, text_keys = columns.keys()
+    audio = _pick(low, path_keys)
     if audio is None:
-        return Reject(where, where, f"missing_path: no {'/'.join(_PATH_KEYS)} field")
+        return Reject(where, where, f"missing_path: no {'/'.join(path_keys)} field (name it with --audio-column)")
     audio = str(audio)
     ref = _resolve(base_dir, audio, fs)
     try:
@@ -349,10 +403,11 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.A
         item_id = posixpath.splitext(rel)[0]
         if has_offset_field:
             item_id = f"{item_id}_{round(start_s * 1000):d}"
-    text = _pick(low, _TEXT_KEYS)
-    if text is None and any(k in low for k in _TEXT_KEYS):
+    text = _pick(low, text_keys)
+    if text is None and any(k in low for k in text_keys):
         text = ""  # the field exists but is empty: an (allowed) empty transcript, not a missing one
-    extra = tuple(sorted((str(k), v) for k, v in rec.items() if str(k).lower() not in _KNOWN_KEYS))
+    known = _KNOWN_KEYS.union(path_keys, text_keys)
+    extra = tuple(sorted((str(k), v) for k, v in rec.items() if str(k).lower() not in known))
     return Item(id=str(item_id), audio=ref, text=None if text is None else str(text), start_s=start_s,
                 duration_s=duration_s, speaker=_opt_str(_pick(low, _SPEAKER_KEYS)),
                 language=_opt_str(_pick(low, _LANGUAGE_KEYS)), extra=extra)
@@ -372,7 +427,8 @@ def table_rows(reader: Any, path: str, header: list[str]) -> Iterator[tuple[str,
         yield where, dict(zip(header, row))
 
 
-def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Iterator[Item | Reject]:
+def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str, columns: Columns = Columns()
+                ) -> Iterator[Item | Reject]:
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
     base = posixpath.dirname(path)
@@ -383,9 +439,10 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str) -> Ite
         if header is None:
             return
         header = [h.strip().lstrip("\ufeff") for h in header]
+        columns.check(header, path)
         has_offset = any(k.lower() in _OFFSET_KEYS for k in header)
         for x in table_rows(reader, path, header):
-            yield x if isinstance(x, Reject) else _record_to_item(x[1], x[0], base, fs, has_offset)
+            yield x if isinstance(x, Reject) else _record_to_item(x[1], x[0], base, fs, has_offset, columns)
 
 
 def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
@@ -406,7 +463,7 @@ def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str,
             yield where, rec
 
 
-def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Reject]:
+def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str, columns: Columns = Columns()) -> Iterator[Item | Reject]:
     """One JSON object per line (NeMo keys audio_filepath/text/duration/offset accepted); blank lines skipped."""
     base = posixpath.dirname(path)
     for got in _json_lines(fs, path):
@@ -415,7 +472,7 @@ def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Rej
             continue
         where, rec = got
         has_offset = any(str(k).lower() in _OFFSET_KEYS for k in rec)
-        yield _record_to_item(rec, where, base, fs, has_offset)
+        yield _record_to_item(rec, where, base, fs, has_offset, columns)
 
 
 # ---- LibriSpeech ----------------------------------------------------------------------------------------------
@@ -438,7 +495,7 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: lis
         audio = {posixpath.splitext(posixpath.basename(p))[0]: p for p in sorted(fs.ls(chapter_dir, detail=False))
                  if p.lower().endswith(AUDIO_EXTENSIONS)}
         try:
-            lines = read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8").splitlines()
+            lines = split_lines(read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8"))
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), _ref(fs, trans), f"bad_transcript_encoding: {e}")
             continue

@@ -319,15 +319,17 @@ def test_cli_pack_and_inspect(corpus, tmp_path, capsys):
 
 
 def test_cli_pack_that_accepts_nothing_exits_nonzero(tmp_path, capsys):
-    """Every utterance rejected: the manifest is still written (so rejects.jsonl explains), but the command fails."""
+    """Every utterance rejected (here while encoding): no dataset is left at OUTPUT, and the command fails with one
+    line naming the reasons, an example and a hint."""
     src = tmp_path / "bad"
     src.mkdir()
     (src / "a.flac").write_bytes(b"not audio at all" * 8)
     (src / "a.txt").write_text("HELLO\n")
     assert cli.main(["pack", str(src), str(tmp_path / "out"), "--no-progress"]) == 1
-    err = capsys.readouterr().err
-    assert "no utterance" in err and "unreadable_audio 1" in err and "rejects.jsonl" in err
-    assert json.loads((tmp_path / "out" / "rejects.jsonl").read_text().splitlines()[0])["reason"] == "unreadable_audio"
+    err = [x for x in capsys.readouterr().err.split("\n") if x.startswith("pack: error")]
+    assert len(err) == 1 and "no utterance accepted" in err[0] and "unreadable_audio x1" in err[0], err
+    assert "no dataset written" in err[0]
+    assert not any(p.name != "_pack.lock" for p in (tmp_path / "out").iterdir())
 
 # ---- engine-independent planning (pack/scan.py, pack/plan.py) ----------------------------------------------------
 def test_part_boundaries_do_not_change_the_output(corpus, tmp_path):

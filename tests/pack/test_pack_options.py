@@ -13,6 +13,7 @@ import soundfile as sf
 from shardtrain import cli
 from shardtrain.format.manifest import open_dataset
 from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.shard_task import PackError
 from shardtrain.pack.sources import detect_format
 from shardtrain.testing.corpus import make_corpus, synth_wave
 
@@ -62,8 +63,9 @@ def test_channels_policy_first_keeps_the_level_mix_halves_it(tmp_path, one_sided
     rms = lambda x: float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))  # noqa: E731
     assert rms(mix) == pytest.approx(rms(left) / 2, rel=0.01)  # the 6 dB an average loses
     assert not idx1.any()
-    r = _pack(one_sided, tmp_path / "idx2", channels_policy="2")
-    assert r.samples == 0 and _rejects(tmp_path / "idx2")["a"]["reason"] == "missing_channel"
+    with pytest.raises(PackError, match="no utterance accepted .* missing_channel x1"):  # nothing left: no dataset
+        _pack(one_sided, tmp_path / "idx2", channels_policy="2")
+    assert not (tmp_path / "idx2" / "manifest.json").exists()
     with pytest.raises(ValueError, match="--channels-policy"):
         PackConfig(input="x", output="y", channels_policy="left")
 
