@@ -55,6 +55,7 @@ def signal_at_step(out: Path, step: int, sig: int = signal.SIGTERM) -> threading
 
 
 def test_sigterm_checkpoints_the_step_and_resume_is_exact(six_utts, tmp_path):
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or what another library in this process set (ray.init)
     run(six_utts, tmp_path / "a", 8)
     signal_at_step(tmp_path / "b", 3)
     res = run(six_utts, tmp_path / "b", 8)
@@ -64,7 +65,7 @@ def test_sigterm_checkpoints_the_step_and_resume_is_exact(six_utts, tmp_path):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "b/checkpoints")][-1] == stopped  # this step, saved
     row = [json.loads(x) for x in (tmp_path / "b/metrics.jsonl").read_text().splitlines()][-1]
     assert row["event"] == "preempted" and 0 < row["checkpoint_s"] <= row["preempt_s"] < 30
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers gone with the run
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler gone, the previous one back
     run(six_utts, tmp_path / "b", 8, resume=True)
     (la, _), (lb, _) = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in lb] == list(range(1, 9))
