@@ -36,6 +36,7 @@ import torch
 
 from shardtrain import storage
 from shardtrain.format.arrownp import lean_memory_pool
+from shardtrain.load import rowfilter
 from shardtrain.load.batch import Batch
 from shardtrain.load.buffers import BatchBuffers
 from shardtrain.load.config import StreamConfig
