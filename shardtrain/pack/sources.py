@@ -178,7 +178,7 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     fs, path = _fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
                   f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts or a "
-                  "metadata.csv (Hugging Face audiofolder, LJSpeech), a Kaldi "
+                  "metadata.csv (Hugging Face audiofolder, LJSpeech), recordings with same-stem .vtt subtitles, a Kaldi "
                   "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, a save_to_disk folder, or a "
                   "DatasetDict folder with dataset_dict.json and --split) or a Common Voice release "
                   "(clips/ + validated.tsv)")
