@@ -115,3 +115,22 @@ def test_mixture_by_rows_selects_only_kept_rows(dataset):
     assert planner.name == "rows" and len(rows) > 0 and set(src.tolist()) == {0, 1}
     assert dur[rows].max() <= 2.0
     assert planner.filtered == 2 * int((dur > 2.0).sum())
+
+
+def test_elastic_restripe_keeps_the_filter(dataset):
+    """2 ranks for 2 steps, then 3 ranks finish the epoch: still exactly the kept rows, once."""
+    keys, dur, _ = index(dataset)
+    c = StreamConfig(bucket=cfg().bucket, epochs=1, max_skipped_share=1.0, planner="rows", max_duration_s=3.0)
+    kept = sorted(k for k, d in zip(keys, dur) if d <= 3.0)
+    seen, state = [], None
+    for r in range(2):
+        loader = build_loader(dataset, world=World(rank=r, world_size=2), seed=0, cfg=c)
+        for i, (batch, st) in enumerate(loader):
+            seen.extend(batch.keys)
+            state = st
+            if i == 1:
+                break
+    for r in range(3):
+        seen.extend(k for b in build_loader(dataset, world=World(rank=r, world_size=3), seed=0, cfg=c,
+                                            state=state).batches() for k in b.keys)
+    assert sorted(seen) == kept
