@@ -25,7 +25,7 @@ def _add_pack(sub) -> None:
     p.add_argument("output", metavar="OUTPUT", help="dataset folder or URL (path, file://, s3://bucket/prefix)")
     p.add_argument("--source-format", default="auto",
                    help="input format: auto (detect), dir, tsv, csv, jsonl, librispeech, lhotse, kaldi, hf, "
-                        "commonvoice, ljspeech (default: auto; a folder with metadata.csv is read through it)")
+                        "commonvoice, ljspeech, vtt (default: auto; a folder with metadata.csv is read through it)")
     p.add_argument("--split", default=None, metavar="NAME",
                    help="split of a Hugging Face DatasetDict folder (one with dataset_dict.json), e.g. train; "
                         "required for such a folder (the error lists its splits)")

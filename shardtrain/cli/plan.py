@@ -89,7 +89,8 @@ def _cmd_plan(args) -> int:
     report = {
         "datasets": planner.datasets, "planner": planner.name, "rows": rows, "world_size": pc.world_size,
         "nodes": pc.nodes, "max_batch_seconds": stream.bucket.max_batch_seconds,
-        "budget_table": stream.bucket.budget_table, "too_long": int(planner.too_long), **fig,
+        "budget_table": stream.bucket.budget_table, "too_long": int(planner.too_long),
+        "filtered": int(planner.filtered), **fig,
         "open_s": open_s, "memory": memory_figures(planner, pc),
         "io": io_figures(planner, pc, fig, stream.decode_threads),
         "variety": pair_repeat(planner, pc.world_size, rows),
@@ -108,7 +109,7 @@ def _text(r: dict) -> str:
         f"plan of {', '.join(r['datasets'])}: {r['rows']:,} utterances, {r['planner']} planner, "
         f"{r['world_size']} ranks on {r['nodes']} node(s)",
         f"  steps per epoch (every rank)   {r['steps_per_epoch']:,}   ({r['rows_per_epoch']:,} utterances an epoch; "
-        f"{r['too_long']:,} left out as longer than the budget)",
+        f"{r['too_long']:,} left out as longer than the budget, {r['filtered']:,} by the load-time filters)",
         f"  batch fill                     {r['fill']:.3f} of the budget ({r['mean_batch_audio_s']:.1f} s audio a batch, "
         f"budget {r['max_batch_seconds']:g} s{'; per-bucket table' if r['budget_table'] else ''})",
         f"  padding efficiency             {r['padding_efficiency']:.3f}   (over {r['batches_sampled']:,} batches of "

@@ -2,6 +2,7 @@
 
     config.py   StreamConfig (what the loader does; owns BucketConfig through plan.py)
     plan.py     the epoch plan: a pure function from index metadata to every rank's chunks and batches
+    rowfilter.py load-time row filters (duration, speakers): one row mask every rows planner leaves out
     pool.py     the decode thread pool that serves the oldest chunk first
     reader.py   one chunk: ranged reads by index offsets -> decode into batch rows -> ChunkBatches
     batch.py    Batch (padded waves + lengths + keys/texts) and pcm_to_float

@@ -89,6 +89,17 @@ class StreamConfig:
     the trainer converts there). Decoded straight to this dtype in the training process (no conversion pass);
     with worker processes batches cross as int16 and float32 costs one conversion per batch (~5 ms for 300 s)."""
 
+    min_duration_s: float | None = None
+    """Load-time filter: leave out utterances shorter than this (seconds; None: no lower bound). Filters are one
+    row mask over the index before planning (load/rowfilter.py), counted (`filtered`), never silently dropped;
+    changing them mid-epoch is refused on resume like a changed budget. Rows planner only (and mixtures by rows)."""
+    max_duration_s: float | None = None
+    """Load-time filter: leave out utterances longer than this (seconds; None: no upper bound)."""
+    speakers: tuple[str, ...] = ()
+    """Load-time filter: keep only these speakers (the index's `speaker` column, read only when set; empty: all)."""
+    exclude_speakers: tuple[str, ...] = ()
+    """Load-time filter: leave out these speakers."""
+
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ValueError("stream.num_workers must be >= 0")
@@ -108,5 +119,10 @@ class StreamConfig:
             refuse_ignored_fields(self.bucket, "stream.planner=blocks")
         if (self.block_s is not None and self.block_s <= 0) or self.block_plan_min_rows < 0:
             raise ValueError("stream.block_s must be > 0 and stream.block_plan_min_rows >= 0")
+        if any(v is not None and v < 0 for v in (self.min_duration_s, self.max_duration_s)) or (
+                self.min_duration_s is not None and self.max_duration_s is not None
+                and self.min_duration_s > self.max_duration_s):
+            raise ValueError(f"stream.min_duration_s/max_duration_s must be >= 0 and min <= max, got "
+                             f"{self.min_duration_s}/{self.max_duration_s}")
         if self.pcm_dtype not in ("float32", "int16"):
             raise ValueError(f"stream.pcm_dtype must be 'float32' or 'int16', got {self.pcm_dtype!r}")

@@ -36,6 +36,7 @@ import torch
 
 from shardtrain import storage
 from shardtrain.format.arrownp import lean_memory_pool
+from shardtrain.load import rowfilter
 from shardtrain.load.batch import Batch
 from shardtrain.load.buffers import BatchBuffers
 from shardtrain.load.config import StreamConfig
@@ -176,17 +177,23 @@ class ChunkStream(torch.utils.data.IterableDataset):
 
 
 # ---------------------------------------------------------------------------------------------- loader
-def _cfg_fingerprint(cfg: BucketConfig) -> str:
-    return json.dumps(asdict(cfg), sort_keys=True)
+def _cfg_fingerprint(cfg: StreamConfig) -> str:
+    """The bucket config, and the load-time filters when set (a state without filters keeps its old form)."""
+    filters = rowfilter.fingerprint(cfg)
+    return json.dumps(asdict(cfg.bucket) if filters is None else {**asdict(cfg.bucket), "filters": filters},
+                      sort_keys=True)
 
 
-def _refuse_empty_plan(what: str, rows: int, too_long: int, world: World, cfg: BucketConfig) -> None:
-    """Raise StreamError at build time when no epoch can hold a batch (an empty index, or every utterance over
-    the budget): iterating would otherwise plan empty epochs forever and a trainer would never step."""
-    usable = rows - too_long
+def _refuse_empty_plan(what: str, rows: int, too_long: int, filtered: int, world: World, cfg: BucketConfig) -> None:
+    """Raise StreamError at build time when no epoch can hold a batch (an empty index, every utterance over
+    the budget or filtered out): iterating would otherwise plan empty epochs forever and a trainer would never step."""
+    usable = rows - too_long - filtered
     if usable == 0:
         why = "its index has no rows" if rows == 0 else \
-            f"all {rows} utterances are longer than stream.bucket.max_batch_seconds={cfg.max_batch_seconds:g}"
+            f"all {rows} utterances are left out by the load-time filters (stream.min_duration_s/max_duration_s/" \
+            "speakers/exclude_speakers)" if filtered == rows else \
+            f"all {rows - filtered} utterances the filters keep are longer than stream.bucket.max_batch_seconds=" \
+            f"{cfg.max_batch_seconds:g}"
         raise StreamError(f"{what}: no batch can be planned: {why}; raise max_batch_seconds or use another dataset")
     if usable < world.world_size:
         raise StreamError(f"{what}: {usable} usable samples for {world.world_size} ranks: every rank needs at least "
@@ -206,8 +213,9 @@ class Loader:
         self.fingerprint = planner.fingerprint
         self.sample_rate_hz = planner.sample_rate_hz
         self.too_long_per_epoch = planner.too_long
+        self.filtered_per_epoch = planner.filtered
         self.counters: dict = {"samples": 0, "audio_seconds": 0.0, "batches": 0, "skipped": 0, "too_long": 0,
-                               "empty_by_plan": 0}
+                               "filtered": 0, "empty_by_plan": 0}
         if len(planner.datasets) > 1:
             self.counters["dataset_seconds"] = [0.0] * len(planner.datasets)
         self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
@@ -216,12 +224,12 @@ class Loader:
         self._epoch_skips = (0, 0)
         """(epoch, samples skipped in it) for the max_skipped_share stop."""
         self.cursor = _Cursor(0, 0)
-        self._bucket_fingerprint = _cfg_fingerprint(cfg.bucket)
+        self._bucket_fingerprint = _cfg_fingerprint(cfg)
         if state is not None:
             self._load_state(state)
         what = planner.datasets[0] if len(planner.datasets) == 1 else f"the mixture {planner.datasets}"
         if rows is not None:
-            _refuse_empty_plan(what, rows, self.too_long_per_epoch, world, cfg.bucket)
+            _refuse_empty_plan(what, rows, self.too_long_per_epoch, self.filtered_per_epoch, world, cfg.bucket)
         if self.too_long_per_epoch and len(planner.datasets) == 1:
             log.warning("%d utterances are longer than max_batch_seconds=%g and are left out of every epoch",
                         self.too_long_per_epoch, cfg.bucket.max_batch_seconds)
@@ -247,12 +255,14 @@ class Loader:
                               "(shard sha256 differ: re-packed with other audio or text); resuming would mix old "
                               "and new data. Resume on the dataset the run started on, or start a new run (--out)")
         at_boundary = int(state["step"]) == 0 and not state.get("chain")
-        if state.get("bucket") != _cfg_fingerprint(self.cfg.bucket):
+        if state.get("bucket") != self._bucket_fingerprint:
             if not at_boundary:  # mid-epoch the rest of the epoch is the old plan's: only it can continue
-                raise StreamError("loader state was saved mid-epoch with a different stream.bucket config (resume "
-                                  "with the same budgets, or change them at an epoch boundary); "
-                                  f"saved {state.get('bucket')}, now {_cfg_fingerprint(self.cfg.bucket)}")
-            log.info("resuming at the start of epoch %s with a new stream.bucket config", state.get("epoch"))
+                raise StreamError("loader state was saved mid-epoch with a different stream.bucket config or "
+                                  "load-time filters (stream.min_duration_s/max_duration_s/speakers/exclude_speakers;"
+                                  " resume with the same ones, or change them at an epoch boundary); "
+                                  f"saved {state.get('bucket')}, now {self._bucket_fingerprint}")
+            log.info("resuming at the start of epoch %s with a new stream.bucket config or filters",
+                     state.get("epoch"))
         if state.get("planner", "rows") != self.planner.name and not at_boundary:
             raise StreamError(f"loader state was planned by {state.get('planner', 'rows')}, this run plans by "
                               f"{self.planner.name}; set stream.planner={state.get('planner', 'rows')} to resume it")
@@ -363,6 +373,7 @@ class Loader:
                 chain = self.cursor.chain if item.epoch == self.cursor.epoch else ()
                 if step == 0 and not chain:  # once per epoch (a re-striped epoch counted it before)
                     self.counters["too_long"] += self.too_long_per_epoch
+                    self.counters["filtered"] += self.filtered_per_epoch
                 self.cursor = (_Cursor(item.epoch, step + 1, chain) if step + 1 < loaded.steps else
                                _Cursor(item.epoch + 1, 0))
                 yield batch, self.state_dict()

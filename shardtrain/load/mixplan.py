@@ -30,11 +30,12 @@ import numpy as np
 from shardtrain.format.arrownp import numpy_of
 from shardtrain.format.manifest import open_dataset
 from shardtrain.load.blockplan import Blocks
+from shardtrain.load import rowfilter
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.mixture import MixEpoch, _take, gather_index, select_epoch, targets_s
 from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, Chunk, PlanIndex, cost_s
 from shardtrain.load.planner import (BlocksEpoch, Chain, RankChunk, RowsEpoch, Shards, blocks_epoch, by_blocks,
-                                     open_blocks, rows_epoch)
+                                     index_drop_mask, open_blocks, rows_epoch)
 from shardtrain.load.errors import StreamError
 
 log = logging.getLogger(__name__)
@@ -80,15 +81,21 @@ class MixturePlanner:
             over = [int(b.rows[b.too_long].sum()) for b in self.blocks]
             self.eligible = [np.flatnonzero(~b.too_long) for b in self.blocks]
             self.block_s = [_block_seconds(ix, b) for ix, b in zip(self.indexes, self.blocks)]
+            filtered = [0] * len(parts)
         else:
             checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
             tables = [d.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks]) for d in parts]
             rates = {r for t in tables for r in np.unique(numpy_of(t.column("sample_rate_hz"))).tolist()}
             self.indexes = [PlanIndex.from_table(t) for t in tables]
             prints = [ix.fingerprint() for ix in self.indexes]
+            drops = [index_drop_mask(d, cfg, ix.duration_s) for d, ix in zip(parts, self.indexes)]
+            drops = [np.zeros(len(ix), bool) if m is None else m for m, ix in zip(drops, self.indexes)]
             mask = [cost_s(ix.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds for ix in self.indexes]
-            over = [int(m.sum()) for m in mask]
-            self.eligible = [np.flatnonzero(~m) for m in mask]
+            over = [int((m & ~dr).sum()) for m, dr in zip(mask, drops)]
+            filtered = [int(dr.sum()) for dr in drops]
+            self.eligible = [np.flatnonzero(~m & ~dr) for m, dr in zip(mask, drops)]
+            for d, n, ix in zip(self.datasets, filtered, self.indexes):
+                rowfilter.log_filtered(d, cfg, n, len(ix))
         if len(rates) > 1:
             raise StreamError(f"the mixture {self.datasets} mixes sample rates {sorted(rates)}; "
                               "repack with one `shardtrain pack --sample-rate`")
@@ -97,7 +104,7 @@ class MixturePlanner:
             if n:
                 log.warning("%s: %d utterances are longer than max_batch_seconds=%g and are left out of every epoch",
                             url, n, cfg.bucket.max_batch_seconds)
-        self.too_long = sum(over)
+        self.too_long, self.filtered = sum(over), sum(filtered)
         self.rows_total = rows
         h = hashlib.sha1(json.dumps([[p, w] for p, w in zip(prints, self.weights)] + [epoch_hours]).encode())
         self.fingerprint = "mix-" + h.hexdigest()[:16]

@@ -30,6 +30,7 @@ import numpy.ma  # noqa: F401  (np.unique imports it on first use: ~14 ms of the
 from shardtrain.format.arrownp import numpy_of
 from shardtrain.format.manifest import Dataset, ShardInfo, open_dataset
 from shardtrain.load.blockplan import Blocks, BlockPlan, block_epoch, block_shape, chunks_from
+from shardtrain.load import rowfilter
 from shardtrain.load.config import StreamConfig, refuse_ignored_fields
 from shardtrain.load.mapped import MappedIndex, default_root, mapped_blocks, open_mapped
 from shardtrain.load.plan import (CHECK_COLUMNS, PLAN_COLUMNS, BucketConfig, Chunk, EpochPlan, PlanIndex,
@@ -117,6 +118,8 @@ class Planner(Protocol):
     datasets: list[str]
     too_long: int
     """Utterances left out of every epoch because one alone exceeds its batch budget (counted once an epoch)."""
+    filtered: int
+    """Utterances left out of every epoch by the load-time filters (load/rowfilter.py; counted once an epoch)."""
     sample_rate_hz: int
 
     def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> EpochView:
@@ -149,9 +152,10 @@ class RowsEpoch:
 
 
 def epoch_plan(idx: PlanIndex, seed: int, epoch: int, world_size: int, cfg: BucketConfig,
-               chain: Chain = ()) -> EpochPlan:
-    """The plan for `epoch`, after excluding rows consumed under earlier world sizes (`chain`)."""
-    exclude = None
+               chain: Chain = (), dropped: np.ndarray | None = None) -> EpochPlan:
+    """The plan for `epoch`, after excluding rows the load-time filters drop (`dropped`, a row mask) and rows
+    consumed under earlier world sizes (`chain`)."""
+    exclude = dropped
     for ws, steps in chain:
         prev = plan_epoch(idx, seed=seed, epoch=epoch, world_size=int(ws), cfg=cfg, exclude=exclude)
         mask = np.zeros(len(idx), bool) if exclude is None else exclude.copy()
@@ -161,10 +165,16 @@ def epoch_plan(idx: PlanIndex, seed: int, epoch: int, world_size: int, cfg: Buck
 
 
 def rows_epoch(idx: PlanIndex, seed: int, epoch: int, world_size: int, cfg: BucketConfig, chain: Chain,
-               source: np.ndarray | None = None, row: np.ndarray | None = None) -> RowsEpoch:
-    plan = epoch_plan(idx, seed, epoch, world_size, cfg, chain)
-    usable = len(idx) - int((cost_s(idx.duration_s, cfg) > cfg.max_batch_seconds).sum())
-    return RowsEpoch(plan, idx, usable, source, row)
+               source: np.ndarray | None = None, row: np.ndarray | None = None,
+               dropped: np.ndarray | None = None) -> RowsEpoch:
+    plan = epoch_plan(idx, seed, epoch, world_size, cfg, chain, dropped)
+    return RowsEpoch(plan, idx, len(usable_rows(idx, cfg, dropped)), source, row)
+
+
+def usable_rows(idx: PlanIndex, cfg: BucketConfig, dropped: np.ndarray | None = None) -> np.ndarray:
+    """Rows an epoch holds: within the batch budget and kept by the load-time filters."""
+    ok = cost_s(idx.duration_s, cfg) <= cfg.max_batch_seconds
+    return np.flatnonzero(ok if dropped is None else ok & ~dropped)
 
 
 class RowsPlanner:
@@ -180,14 +190,26 @@ class RowsPlanner:
         self.fingerprint, self.content = self.idx.fingerprint(), ds.content_id
         self.bucket, self.seed = cfg.bucket, seed
         self.data, self.datasets = Shards.of([ds], storage_options), [ds.url]
-        self.too_long = int((cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds).sum())
+        self.dropped = index_drop_mask(ds, cfg, self.idx.duration_s)
+        self.filtered = 0 if self.dropped is None else int(self.dropped.sum())
+        over = cost_s(self.idx.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds
+        self.too_long = int((over if self.dropped is None else over & ~self.dropped).sum())
+        rowfilter.log_filtered(ds.url, cfg, self.filtered, len(self.idx))
 
     def epoch(self, epoch: int, world_size: int, chain: Chain = ()) -> RowsEpoch:
-        return rows_epoch(self.idx, self.seed, epoch, world_size, self.bucket, chain)
+        return rows_epoch(self.idx, self.seed, epoch, world_size, self.bucket, chain, dropped=self.dropped)
 
     def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.flatnonzero(cost_s(self.idx.duration_s, self.bucket) <= self.bucket.max_batch_seconds)
+        rows = usable_rows(self.idx, self.bucket, self.dropped)
         return np.zeros(len(rows), np.int16), rows.astype(np.int64)
+
+
+def index_drop_mask(ds: Dataset, cfg: StreamConfig, duration_s: np.ndarray) -> np.ndarray | None:
+    """The load-time filters' row mask of `ds` (None: no filter set); reads the speaker column only if needed."""
+    if not rowfilter.active(cfg):
+        return None
+    speaker = ds.read_index(columns=["speaker"]).column("speaker") if rowfilter.needs_speaker(cfg) else None
+    return rowfilter.drop_mask(cfg, duration_s, speaker)
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -249,6 +271,7 @@ class BlocksPlanner:
         self.bucket, self.seed = cfg.bucket, seed
         self.data, self.datasets = Shards.of([ds], storage_options), [ds.url]
         self.too_long = int(self.blocks.rows[self.blocks.too_long].sum())
+        self.filtered = 0
 
     def cost_of(self, rows: np.ndarray) -> np.ndarray:
         return cost_s(np.asarray(self.idx.duration_s[rows]), self.bucket)
@@ -276,6 +299,8 @@ def by_blocks(cfg: StreamConfig, rows: int, what: str) -> bool:
     """Whether to plan by blocks: stream.planner, or "auto" from block_plan_min_rows rows (logged). Refuses
     bucket fields the block planner would ignore, naming them."""
     blocks = cfg.planner == "blocks" or (cfg.planner == "auto" and rows >= cfg.block_plan_min_rows)
+    if blocks:
+        rowfilter.refuse_blocks(cfg, f"{what} plans by blocks (stream.planner={cfg.planner}, {rows} rows)")
     if blocks and cfg.planner == "auto":
         log.info("%s: %d rows >= stream.block_plan_min_rows=%d: planning by blocks (stream.planner=auto)", what,
                  rows, cfg.block_plan_min_rows)

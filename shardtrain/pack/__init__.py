@@ -3,6 +3,7 @@
     sources.py     input formats (folder, TSV/CSV/JSONL, LibriSpeech, Lhotse cuts) -> Item | Reject
     corpora.py     Kaldi data dirs, Hugging Face datasets, Common Voice releases -> Item | Reject (via sources)
     metadata.py    folders described by one table: LJSpeech (metadata.csv + wavs/), Hugging Face audiofolder
+    vtt.py         folders of recordings + WebVTT subtitles: one utterance per cue (start, end, text, voice)
     nothing.py     the one line a pack that accepted no utterance stops with (top reasons and the fix)
     probe.py       audio headers -> AudioInfo (duration, rate, channels, codec; exact MP3 lengths); reads
                    `file#bytes=START-END` references (audio inside an Arrow file or a Kaldi ark)

@@ -33,8 +33,9 @@ from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, Inpu
 log = logging.getLogger(__name__)
 
 SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse", "kaldi", "hf", "commonvoice",
-                  "ljspeech")
-"""kaldi, hf and commonvoice are read by pack/corpora.py, ljspeech (and a folder's metadata.csv) by pack/metadata.py."""
+                  "ljspeech", "vtt")
+"""kaldi, hf and commonvoice are read by pack/corpora.py, ljspeech (and a folder's metadata.csv) by pack/metadata.py,
+vtt (recordings cut by WebVTT cues) by pack/vtt.py."""
 AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio files a "dir" source picks up (case-insensitive); anything else in the tree is ignored."""
 TRANSCRIPT_EXTENSIONS = (".txt", ".lab")
@@ -167,7 +168,8 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     or a Common Voice release (clips/ + TSVs; a TSV with path, sentence and client_id beside clips/); `.tsv` / `.csv`
     files; `.jsonl[.gz]` files are "lhotse" when the first record has a
     "supervisions" or "recording" key, else "jsonl"; a folder with `<a>/<b>/*.trans.txt` is "librispeech"; a folder
-    with a metadata.csv/.tsv/.jsonl is "ljspeech" (metadata.py) or that table's format; a folder holding at least
+    with a metadata.csv/.tsv/.jsonl is "ljspeech" (metadata.py) or that table's format; a folder with a `<name>.vtt`
+    beside `<name>.<audio ext>` is "vtt" (vtt.py: one utterance per cue); a folder holding at least
     one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
     for "dir") a walk that stops at the first audio file.
     """
@@ -176,7 +178,7 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     fs, path = _fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
                   f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts or a "
-                  "metadata.csv (Hugging Face audiofolder, LJSpeech), a Kaldi "
+                  "metadata.csv (Hugging Face audiofolder, LJSpeech), recordings with same-stem .vtt subtitles, a Kaldi "
                   "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, a save_to_disk folder, or a "
                   "DatasetDict folder with dataset_dict.json and --split) or a Common Voice release "
                   "(clips/ + validated.tsv)")
@@ -203,6 +205,10 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     table = metadata.metadata_file(fs, path)  # LJSpeech, Hugging Face audiofolder
     if table is not None:
         return table[1]
+    from shardtrain.pack import vtt  # noqa: PLC0415 - vtt imports this module
+
+    if vtt.has_vtt(fs, path):
+        return "vtt"
     for _root, _dirs, files in (os.walk(path, followlinks=True) if _is_local_fs(fs) else fs.walk(path)):
         if any(f.lower().endswith(AUDIO_EXTENSIONS) for f in files):
             return "dir"
@@ -252,6 +258,10 @@ def iter_items(input: str, source_format: str = "auto", storage_options: dict | 
         return _iter_jsonl(fs, path, columns)
     if source_format == "librispeech":
         return _iter_librispeech(fs, path)
+    if source_format == "vtt":
+        from shardtrain.pack import vtt  # noqa: PLC0415 - vtt imports this module
+
+        return vtt.iter_vtt(fs, path)
     if source_format in ("kaldi", "hf", "commonvoice"):
         from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
 
