@@ -155,6 +155,8 @@ class ChunkReader:
         of the 6k benchmark corpus's peak RSS (703 -> 689-694 MB). Their page faults happen in the read thread's
         kernel copy, not in the decoder (~0.05 s of CPU an epoch)."""
         self.io_pool = ThreadPoolExecutor(cfg.prefetch_chunks, thread_name_prefix="read")
+        self.pins: dict = {}
+        """Each shard's version as first read (S3 ETag, local inode/size/mtime): every later read is held to it."""
         self.cache = (ShardCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
                       if cfg.cache_dir and not storage.is_local(ds.url) else None)
 
@@ -166,7 +168,7 @@ class ChunkReader:
         so = self.ds.storage_options
         kw: dict[str, Any] = dict(retries=self.cfg.retries, budget_s=self.cfg.retry_budget_s,
                                   piece_bytes=int(self.cfg.piece_mb * (1 << 20)), backoff_s=self.cfg.retry_backoff_s,
-                                  direct_http=self.cfg.s3_direct_http)
+                                  direct_http=self.cfg.s3_direct_http, pins=self.pins)
         if self.cache is None:
             return storage.fill_range(url, start, out, so, **kw)
         info = self.ds.shards[shard]  # streamed to local disk on a miss; read from an open file (safe to evict)
@@ -181,6 +183,10 @@ class ChunkReader:
         url = self.ds.shard_url(shard)
         if isinstance(e, storage.StorageUnavailable):
             hint = "storage unreachable for the whole retry budget"
+        elif isinstance(e, storage.ObjectChanged):
+            hint = ("the shard changed while this run read it (re-packed or overwritten in place): its rows would "
+                    "mix two versions; pack into a new folder/prefix instead of over a dataset in use, then start "
+                    "a fresh run")
         elif isinstance(e, PermissionError):
             hint = ("access denied (HTTP 403): check the credentials (key/secret/token, AWS_* variables), their "
                     "expiry, and the bucket policy")

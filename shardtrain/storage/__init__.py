@@ -18,8 +18,9 @@ from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsEr
                                    fill_range, fs_and_path, is_local, is_transient, iter_range, join, ls_names,
                                    makedirs, open_ranged, presign, read_bytes, read_range, remove, size, sync)
 from shardtrain.storage.redact import StorageOptions
+from shardtrain.storage.s3http import ObjectChanged
 
-__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "StorageOptions", "StorageUnavailable",
+__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "ObjectChanged", "StorageOptions", "StorageUnavailable",
            "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range",
            "fs_and_path", "is_local", "is_transient", "iter_range", "join", "ls_names", "makedirs", "open_ranged",
            "presign", "read_bytes", "read_range", "remove", "size", "sync"]

@@ -44,6 +44,7 @@ from shardtrain.storage.clock import answered as clock_answered
 from shardtrain.storage.retry import (FIRST_CONTACT_S, RETRY_BUDGET_S, Backoff, CredentialsError,  # noqa: F401
                                       EndpointUnreachable, StorageUnavailable, credentials_error, is_transient,
                                       refused_redirect)
+from shardtrain.storage.s3http import ObjectChanged  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +283,7 @@ def commit_local_file(tmp_path: str | os.PathLike, url: str | os.PathLike, stora
 
 
 def _fetcher(url: str | os.PathLike, end: int | None, storage_options: dict | None, direct_http: bool,
-             backoff: Backoff) -> tuple[Callable[[int, int], Iterator[bytes]], int | None]:
+             backoff: Backoff, pins: dict) -> tuple[Callable[[int, int], Iterator[bytes]], int | None]:
     """(fetch(a, b) -> pieces of bytes [a, b), end): direct presigned HTTP for s3:// when allowed (end may stay
     None: the responses say where the object ends), else fsspec `cat_file` (end from the object's size).
     Both run under `backoff.clock`: s3http watches every wait; an s3fs call is bounded by the time left."""
@@ -292,7 +293,7 @@ def _fetcher(url: str | os.PathLike, end: int | None, storage_options: dict | No
         sign_with = _s3fs_factory(url, storage_options)
 
         def fetch_http(a: int, b: int) -> Iterator[bytes]:
-            return s3http.iter_range(key, storage_options, sign_with, a, b, clock)
+            return s3http.iter_range(key, storage_options, sign_with, a, b, clock, pins)
         return fetch_http, end
     fs, path = fs_and_path(url, storage_options)
     if end is None:
@@ -319,6 +320,7 @@ def iter_range(
     max_backoff_s: float = 5.0,
     allow_short: bool = False,
     direct_http: bool = False,
+    pins: dict | None = None,
 ) -> Iterator[bytes]:
     """Bytes `[start, end)` of `url` (to the end of the object when `end` is None), a piece at a time.
 
@@ -331,13 +333,15 @@ def iter_range(
     refused credentials raise CredentialsError. 8 MB pieces keep the per-request overhead (~1-5 ms on loopback S3)
     near 1% of transfer time. An object shorter than `end` raises EOFError, or with `allow_short` just ends (a
     truncated shard keeps its head). `direct_http` reads `s3://` objects through presigned URLs
-    (shardtrain.s3http) and yields each request's bytes as they arrive (up to 1 MB at a time).
+    (shardtrain.s3http) and yields each request's bytes as they arrive (up to 1 MB at a time), every request after
+    the first pinned to the object's first ETag (If-Match; `pins`, when given, carries the pin to the caller's
+    later reads): an object replaced mid-read raises s3http.ObjectChanged, never retried into spliced bytes.
     """
     if start < 0 or (end is not None and end < start):
         raise ValueError(f"read_range: bad range [{start}, {end}) for {url}")
     backoff = _backoff(url, storage_options, budget_s=budget_s, retries=retries, backoff_s=backoff_s,
                        max_backoff_s=max_backoff_s)
-    fetch, end = _fetcher(url, end, storage_options, direct_http, backoff)
+    fetch, end = _fetcher(url, end, storage_options, direct_http, backoff, {} if pins is None else pins)
     pos = start
     while end is None or pos < end:  # end None: direct HTTP learns where the object ends from the responses
         stop = pos + piece_bytes if end is None else min(end, pos + piece_bytes)
@@ -379,7 +383,9 @@ def fill_range(url: str | os.PathLike, start: int, out: memoryview, storage_opti
     read straight into `out` with `readinto` (no intermediate object, no page faults of a fresh piece). Remote
     objects still go through `iter_range` (`iter_kw`: its retries, budget and piece size) and are copied in."""
     if is_local(url):
-        with open(fs_and_path(url, storage_options)[1], "rb", buffering=0) as f:
+        path = fs_and_path(url, storage_options)[1]
+        with open(path, "rb", buffering=0) as f:
+            _check_pin(path, f.fileno(), iter_kw.get("pins"))
             f.seek(start)
             have, piece = 0, LOCAL_PIECE_BYTES
             while have < len(out):
@@ -391,6 +397,20 @@ def fill_range(url: str | os.PathLike, start: int, out: memoryview, storage_opti
                 yield have
         return
     yield from copy_into(iter_range(url, start, start + len(out), storage_options, allow_short=True, **iter_kw), out)
+
+
+def _check_pin(path: str, fd: int, pins: dict | None) -> None:
+    """The local counterpart of an ETag pin: (inode, size, mtime_ns) of the first open, compared at every later open
+    through the same `pins` (one fstat, ~1 us). A re-pack renames new files over the old (a new inode) or rewrites
+    them (a new mtime): either raises ObjectChanged. One open reads one version, so a run is never spliced."""
+    if pins is None:
+        return
+    st = os.fstat(fd)
+    now = (st.st_ino, st.st_size, st.st_mtime_ns)
+    first = pins.setdefault(path, now)
+    if first != now:
+        raise ObjectChanged(f"{path}: the file was replaced or rewritten while the run read it (inode, size, "
+                            f"mtime_ns {first} first, now {now}); its bytes would mix two versions")
 
 
 def copy_into(pieces: Iterator[bytes], out: memoryview) -> Iterator[int]:
@@ -418,13 +438,15 @@ def open_ranged(url: str | os.PathLike, storage_options: dict | None = None, *, 
     """A read-only seekable binary file for random access (Parquet): s3fs's, or over direct HTTP ranged GETs."""
     key = _direct_s3_key(url, direct_http, storage_options)
     if key is not None:
+        pins: dict = {}  # footer and column chunks from one version of the object
+
         def block(a: int, b: int) -> bytes:
             return read_range(url, a, b, storage_options, direct_http=True, retries=retries, budget_s=budget_s,
-                              backoff_s=backoff_s)
+                              backoff_s=backoff_s, pins=pins)
 
         backoff = _backoff(url, storage_options, budget_s=budget_s, retries=retries, backoff_s=backoff_s)
         return _with_retry(lambda: s3http.RangeFile(key, storage_options, _s3fs_factory(url, storage_options), block,
-                                                    clock=backoff.clock), url, backoff)
+                                                    clock=backoff.clock, pins=pins), url, backoff)
     fs, path = fs_and_path(url, storage_options)
     with _credentials(url):
         return fs.open(path, "rb")

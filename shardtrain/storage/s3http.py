@@ -18,6 +18,10 @@ Signing:
   anonymous access leave the read to s3fs. A CA bundle (`client_kwargs.verify` = path, or AWS_CA_BUNDLE, which
   botocore also reads) or `verify=False` is honoured by the TLS context.
 
+Versions: the first answer's ETag is kept in the caller's `pins`; every later GET of that object through them
+(a retry resuming at a byte offset, the next run of the same shard) sends `If-Match`, and a 412 or another ETag
+raises ObjectChanged (never retried): a shard replaced mid-read is an error for that shard, never spliced bytes.
+
 Errors: 404 -> FileNotFoundError, 403 (after one re-sign) -> PermissionError, a body cut short -> ConnectionError,
 a redirect -> HTTPStatusError, never followed (a presigned URL carries credentials; an S3 endpoint has no reason to
 send a client to another host), other statuses -> HTTPStatusError (an OSError carrying `.status`; 5xx, 408 and
@@ -85,6 +89,14 @@ class HTTPStatusError(OSError):
     @property
     def transient(self) -> bool:
         return self.status >= 500 or self.status in (408, 429)
+
+
+class ObjectChanged(HTTPStatusError):
+    """The object is not the version this process first read (412 to If-Match, or another ETag in the answer):
+    never retried, since a retry would splice bytes of two versions into one read."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 412)
 
 
 # ---- signing ----------------------------------------------------------------------------------------------
@@ -295,8 +307,38 @@ def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> 
     conn.close()
 
 
-def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_value: str, clock: ProgressClock):
-    """(parts, conn, response) of a GET with `Range: range_value`; handles stale keep-alive and refused URLs.
+Pins = dict
+"""bucket/key -> the ETag of the first answer: every later GET of the object through the same dict sends If-Match
+(one per reader of a dataset, so a run reads one version of each shard; a new reader may read a new version)."""
+
+
+def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_value: str, clock: ProgressClock,
+         pins: Pins):
+    """(parts, conn, response) of a GET with `Range: range_value`, pinned to the version `pins` first saw.
+
+    A 412 (or, from a server that ignores If-Match, an answer with another ETag) raises ObjectChanged. Cost: one
+    dict look-up and a ~60-byte header per request."""
+    with _lock:
+        etag = pins.get(path)
+    parts, conn, resp = _get_once(path, storage_options, fs_factory, range_value, clock, etag)
+    got = resp.getheader("ETag")
+    if resp.status == 412 or (etag is not None and got is not None and got != etag and resp.status in (200, 206)):
+        resp.read(2048)
+        _drop(parts, conn)
+        clock.unwatch()
+        raise ObjectChanged(f"s3://{path} {range_value}: the object was replaced while it was being read (ETag "
+                            f"{etag} first, now {got if resp.status != 412 else 'another: HTTP 412'}); its bytes "
+                            "would mix two versions")
+    if etag is None and got is not None and resp.status in (200, 206):
+        with _lock:
+            pins.setdefault(path, got)
+    return parts, conn, resp
+
+
+def _get_once(path: str, storage_options: dict | None, fs_factory: FsFactory, range_value: str,
+              clock: ProgressClock, etag: str | None):
+    """(parts, conn, response) of a GET with `Range: range_value` (and `If-Match: etag` when pinned); handles
+    stale keep-alive and refused URLs.
 
     Runs under `clock`: connecting may take the time left, then the request is watched (the watchdog cuts it at
     the deadline) until the caller's `clock.unwatch()`; a cut raises TimeoutError naming stall or trickle.
@@ -318,7 +360,8 @@ def _get(path: str, storage_options: dict | None, fs_factory: FsFactory, range_v
             clock.phase = "answer"
             clock.watch(conn)
             conn.response_class = functools.partial(_ClockedResponse, clock=clock)  # type: ignore[assignment]
-            conn.request("GET", f"{parts.path}?{parts.query}", headers={"Range": range_value})
+            headers = {"Range": range_value} if etag is None else {"Range": range_value, "If-Match": etag}
+            conn.request("GET", f"{parts.path}?{parts.query}", headers=headers)
             resp = conn.getresponse()
             _raise_if_expired(clock, ConnectionError("cut by the watchdog"))  # headers cut short look complete
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
@@ -421,16 +464,17 @@ def _error_text(body: str) -> str:
 
 # ---- reads ------------------------------------------------------------------------------------------------
 def iter_range(path: str, storage_options: dict | None, fs_factory: FsFactory, start: int,
-               stop: int | None, clock: ProgressClock | None = None) -> Iterator[bytes]:
+               stop: int | None, clock: ProgressClock | None = None, pins: Pins | None = None) -> Iterator[bytes]:
     """Bytes [start, stop) of "bucket/key" (to the end when `stop` is None) by one ranged GET, as they arrive.
 
     Yields nothing when the object ends at or before `start` (416), fewer bytes when it ends before `stop`.
     `clock` (default: HTTP_TIMEOUT_S without progress) bounds every wait; the time the consumer holds a piece
-    is not counted.
+    is not counted. `pins` (the caller's, shared by its retries and later reads) holds the object to the version
+    first read: another version raises ObjectChanged.
     """
     clock = clock or ProgressClock(f"s3://{path}", HTTP_TIMEOUT_S)
     rng = f"bytes={start}-" if stop is None else f"bytes={start}-{stop - 1}"
-    parts, conn, resp = _get(path, storage_options, fs_factory, rng, clock)
+    parts, conn, resp = _get(path, storage_options, fs_factory, rng, clock, {} if pins is None else pins)
     try:
         if resp.status == 416:
             resp.read()
@@ -470,10 +514,10 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 
 def read_tail(path: str, storage_options: dict | None, fs_factory: FsFactory, n: int,
-              clock: ProgressClock | None = None) -> tuple[bytes, int]:
+              clock: ProgressClock | None = None, pins: Pins | None = None) -> tuple[bytes, int]:
     """(last `n` bytes, object size) in one request: how a Parquet reader starts (the footer is at the end)."""
     clock = clock or ProgressClock(f"s3://{path}", HTTP_TIMEOUT_S)
-    parts, conn, resp = _get(path, storage_options, fs_factory, f"bytes=-{n}", clock)
+    parts, conn, resp = _get(path, storage_options, fs_factory, f"bytes=-{n}", clock, {} if pins is None else pins)
     try:
         if resp.status == 416:  # an empty object
             resp.read()
@@ -503,11 +547,12 @@ class RangeFile(io.RawIOBase):
     footer and the projected column chunks only (a few requests, not the whole object)."""
 
     def __init__(self, path: str, storage_options: dict | None, fs_factory: FsFactory, read_block: Callable,
-                 block_bytes: int = 1 << 20, clock: ProgressClock | None = None):
+                 block_bytes: int = 1 << 20, clock: ProgressClock | None = None, pins: Pins | None = None):
+        """`read_block(a, b)` should read through the same `pins`, so footer and column chunks are one version."""
         super().__init__()
         self._read_block = read_block
         self.block_bytes = block_bytes
-        tail, self.size = read_tail(path, storage_options, fs_factory, block_bytes, clock)
+        tail, self.size = read_tail(path, storage_options, fs_factory, block_bytes, clock, pins)
         self._cache = (self.size - len(tail), tail)
         self.pos = 0
 

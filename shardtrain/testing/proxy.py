@@ -29,9 +29,13 @@ class DropProxy:
     Byte counts are per TCP connection (HTTP keep-alive connections accumulate across requests).
     """
 
-    def __init__(self, target_host: str, target_port: int, drop_after_bytes: int, drops: int = 1) -> None:
+    def __init__(self, target_host: str, target_port: int, drop_after_bytes: int, drops: int = 1,
+                 on_drop=None) -> None:
+        """`on_drop(n)`, when given, runs in the proxy before the n-th cut reaches the client (a test replaces the
+        object there, so the client's retry meets the new version deterministically)."""
         if drop_after_bytes < 0 or drops < 0:
             raise ValueError("drop_after_bytes and drops must be >= 0")
+        self.on_drop = on_drop
         self.target = (target_host, target_port)
         self.drop_after_bytes = drop_after_bytes
         self.drops = drops
@@ -98,6 +102,8 @@ class DropProxy:
                     state["armed"] = False
                     if cut:
                         dst.sendall(data[: state["budget"]])
+                        if self.on_drop is not None:
+                            self.on_drop(self.drops_done)
                         self._reset(client, upstream)
                         return
                 elif down and state["armed"]:
