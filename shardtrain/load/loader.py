@@ -192,8 +192,8 @@ def _refuse_empty_plan(what: str, rows: int, too_long: int, filtered: int, world
         why = "its index has no rows" if rows == 0 else \
             f"all {rows} utterances are left out by the load-time filters (stream.min_duration_s/max_duration_s/" \
             "speakers/exclude_speakers)" if filtered == rows else \
-            f"all {rows - filtered} utterances the filters keep are longer than stream.bucket.max_batch_seconds=" \
-            f"{cfg.max_batch_seconds:g}"
+            f"all {rows - filtered} utterances{' the filters keep' if filtered else ''} are longer than " \
+            f"stream.bucket.max_batch_seconds={cfg.max_batch_seconds:g}"
         raise StreamError(f"{what}: no batch can be planned: {why}; raise max_batch_seconds or use another dataset")
     if usable < world.world_size:
         raise StreamError(f"{what}: {usable} usable samples for {world.world_size} ranks: every rank needs at least "
