@@ -32,7 +32,7 @@ from shardtrain.pack.keys import sanitize_key
 from shardtrain.pack.shard_task import PlannedSample, error_reason
 
 if TYPE_CHECKING:
-    from shardtrain.pack.packer import PackConfig
+    from shardtrain.pack.config import PackConfig
     from shardtrain.pack.parts import SourcePart
 
 SAMPLE_OVERHEAD_BYTES = 2048  # two ustar headers + json + padding, for the size estimate only
@@ -157,7 +157,7 @@ def sample_digest(s: PlannedSample, stamp: str = "") -> bytes:
 
 def _early_reject(x) -> dict | None:
     """Reject row for a source Reject or an empty transcript (decided without audio), else None."""
-    from shardtrain.pack.sources import Item
+    from shardtrain.pack.item import Item
 
     if not isinstance(x, Item):
         code, _, detail = str(x.reason).partition(": ")
@@ -193,7 +193,7 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
     `(Item, AudioInfo, duration_s, est_bytes)` (AudioInfo None for a late reject). Never raises for bad items.
     Cost: one header read (plus a stat for kept files) per item, `cfg.probe_threads` at a time."""
     from shardtrain.pack.parts import part_items
-    from shardtrain.pack.sources import Item
+    from shardtrain.pack.item import Item
 
     early: list[tuple[int, dict]] = []
     cands: list[Item] = []

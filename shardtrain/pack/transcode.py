@@ -26,10 +26,10 @@ from typing import IO
 import numpy as np
 import soundfile as sf
 
-from shardtrain.pack.sources import Item
 from shardtrain.format.audio import FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, FloatScan, decoded_frames
 from shardtrain.format.audio import float_peak, float_scan, float_to_int16
 from shardtrain.format.codecs import CODECS, SF_FORMAT
+from shardtrain.pack.item import Item
 from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, MP3_RATES_HZ, open_audio, read_audio_bytes
 from shardtrain.pack.probe import OPUS_RATES_HZ
 from shardtrain.pack.tailcheck import check_tail, seek_tail

@@ -13,13 +13,14 @@
 
 Imports nothing from the rest of shardtrain. `from shardtrain import storage; storage.read_range(...)` is the API.
 """
-from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, StorageUnavailable,
-                                   atomic_write_bytes, commit_local_file, copy_into, credentials_error, exists,
-                                   fill_range, fs_and_path, is_local, is_transient, iter_range, join, ls_names,
-                                   makedirs, open_ranged, presign, read_bytes, read_range, remove, size, sync)
+from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, FileSystem,
+                                   StorageUnavailable, atomic_write_bytes, commit_local_file, copy_into,
+                                   credentials_error, exists, fill_range, fs_and_path, fs_is_local, is_local,
+                                   is_transient, iter_range, join, ls_names, makedirs, open_ranged, presign,
+                                   read_bytes, read_range, remove, size, sync)
 from shardtrain.storage.redact import StorageOptions
 
-__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "StorageOptions", "StorageUnavailable",
-           "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range",
-           "fs_and_path", "is_local", "is_transient", "iter_range", "join", "ls_names", "makedirs", "open_ranged",
-           "presign", "read_bytes", "read_range", "remove", "size", "sync"]
+__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "FileSystem", "StorageOptions",
+           "StorageUnavailable", "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error",
+           "exists", "fill_range", "fs_and_path", "fs_is_local", "is_local", "is_transient", "iter_range", "join",
+           "ls_names", "makedirs", "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync"]

@@ -117,6 +117,15 @@ def _endpoint_checked(url: str, storage_options: dict | None) -> None:
     _endpoint_ok.add(okey)
 
 
+FileSystem = fsspec.AbstractFileSystem
+"""What `fs_and_path` returns: rooms above storage name the type through here and never import fsspec."""
+
+
+def fs_is_local(fs: FileSystem) -> bool:
+    """True for a local-disk filesystem (`fs_and_path` of a plain path or `file://` URL): fast opens, os.walk."""
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
 def is_local(url: str | os.PathLike) -> bool:
     """True for plain paths and `file://` URLs (atomic rename is available there)."""
     return _protocol(str(url)) in ("file", "local")
