@@ -1,7 +1,8 @@
-"""The options of a pack: `PackConfig` (what `shardtrain pack` takes, one field per flag), validated when built.
+"""The options of a pack: `PackConfig` (what `shardtrain pack` takes, one field per flag) and the `AudioTarget` it
+holds (what shards store), each validated once, when built.
 
-A frozen dataclass with no I/O and light imports (format.codecs only), so every pack module can name it (the
-scan, plan and shard tasks read it) without importing the packer. `dataset_options` is what the manifest records
+Frozen dataclasses with no I/O and light imports (format.codecs only), so every pack module can name them (the
+scan, plan and shard tasks read them) without importing the packer or soundfile. `dataset_options` is what the manifest records
 and the dataset fingerprint hashes: a field added there changes every fingerprint.
 """
 from __future__ import annotations
@@ -14,6 +15,68 @@ DEFAULT_MAX_CHARS_PER_S = 50.0
 """Default of PackConfig.max_chars_per_s (`--max-chars-per-s`): pack/itemcheck.py says why 50."""
 DEFAULT_MIN_DURATION_S = 0.2
 ENGINES = ("local", "ray")
+
+
+OPUS_RATES_HZ = (8000, 12000, 16000, 24000, 48000)
+"""Sample rates Opus encodes (a target outside them is refused)."""
+MP3_RATES_HZ = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+"""Sample rates MPEG-1/2 layer III encodes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AudioTarget:
+    """How audio is stored in shards (`PackConfig.audio`; transcode.py applies it). Validated here, once."""
+
+    codec: str = "flac"
+    """Stored codec: flac (16-bit), wav (PCM_16), opus (Ogg/Opus) or mp3."""
+    sample_rate_hz: int = 16000
+    """Stored sample rate; opus needs 8000/12000/16000/24000/48000."""
+    channels: int = 1
+    """Stored channels; 1 downmixes by averaging."""
+    keep_original: bool = False
+    """Keep whole files in any shard codec byte for byte, whatever their rate and channels (segments and other
+    codecs are still transcoded to this target)."""
+    verify_decode: bool = True
+    """Decode kept-original files fully so a truncated file is rejected here, not in the training loader
+    (FLAC: ~2 ms per 10 s of audio). False still checks that the content reaches the length the header claims (tailcheck: ~0.05 ms)."""
+    channel_policy: str = "mix"
+    """How a multi-channel input becomes the mono a 1-channel target stores (`--channels-policy`): "mix" averages
+    the channels (a recording with speech on one side only loses 6 dB), "first" keeps channel 0, "<index>" keeps
+    that channel (an input with fewer channels is rejected, `missing_channel`). Picking a channel copies its
+    16-bit samples exactly when no resampling is needed."""
+    max_clipped_share: float = 0.01
+    """A float source with more than this share of its samples beyond full scale (|x| > 1.0) is rejected
+    (`clipped_audio`); fewer are clipped with a warning. 1%: a normalised file's overs (resampling, a limiter) are
+    far rarer; integer-scaled floats put nearly every sample over."""
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"--codec must be one of {CODECS}, got {self.codec!r}")
+        if self.sample_rate_hz <= 0:
+            raise ValueError(f"--sample-rate must be > 0, got {self.sample_rate_hz}")
+        if not 0.0 <= self.max_clipped_share <= 1.0:
+            raise ValueError(f"max_clipped_share must be in [0, 1], got {self.max_clipped_share}")
+        if self.codec == "opus" and self.sample_rate_hz not in OPUS_RATES_HZ:
+            raise ValueError(f"--sample-rate {self.sample_rate_hz} is not allowed with opus; use one of "
+                             f"{OPUS_RATES_HZ}")
+        if self.codec == "mp3" and self.sample_rate_hz not in MP3_RATES_HZ:
+            raise ValueError(f"--sample-rate {self.sample_rate_hz} is not allowed with mp3; use one of "
+                             f"{MP3_RATES_HZ}")
+        if not 1 <= self.channels <= (2 if self.codec in ("opus", "mp3") else 8):
+            raise ValueError(f"--channels must be 1..{2 if self.codec in ('opus', 'mp3') else 8} for "
+                             f"{self.codec}, got {self.channels}")
+        channel_index(self.channel_policy)  # validates
+
+
+def channel_index(policy: str) -> int | None:
+    """None for "mix", else the channel a policy keeps ("first" = 0, "<index>"); ValueError names the flag."""
+    if policy == "mix":
+        return None
+    if policy == "first":
+        return 0
+    if policy.isdigit() and policy.isascii():
+        return int(policy)
+    raise ValueError(f"--channels-policy must be mix, first or a channel index (0, 1, ...), got {policy!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,25 +96,13 @@ class PackConfig:
     """Field separator of a csv/tsv input (`--delimiter`); None: "," for .csv, tab for .tsv."""
     storage_options: dict | None = field(default=None, repr=False)
     """fsspec options for INPUT and OUTPUT (`--storage-option k=v`), e.g. endpoint_url for S3."""
-    codec: str = "flac"
-    """Stored audio codec (`--codec`): flac, wav, opus or mp3."""
-    sample_rate_hz: int = 16000
-    """Stored sample rate (`--sample-rate`)."""
-    channels: int = 1
-    """Stored channel count (`--channels`)."""
-    keep_original: bool = False
-    """Store the input bytes unchanged, whatever their codec/rate/channels (`--keep-original`)."""
-    decode_check: bool = True
-    """Fully decode audio that is kept byte for byte, so a truncated file is rejected at pack time instead of
-    failing in the training loader (`--no-decode-check` skips it: ~2 ms per 10 s of FLAC, most of a kept-FLAC
-    pack's CPU time). Transcoded audio is always decoded anyway."""
+    audio: AudioTarget = field(default_factory=AudioTarget)
+    """What shards store (`--codec`, `--sample-rate`, `--channels`, `--keep-original`, `--no-decode-check`,
+    `--channels-policy`): see AudioTarget."""
     target_shard_mb: float = 256.0
     """Target shard size in MiB, estimated from headers before encoding (`--target-shard-mb`)."""
     max_samples_per_shard: int | None = None
     """Also cut a shard after this many samples (`--max-samples-per-shard`)."""
-    channels_policy: str = "mix"
-    """Multi-channel input to a mono target (`--channels-policy`): "mix" averages the channels, "first" keeps
-    channel 0, "<index>" keeps that one (transcode.AudioTarget.channel_policy)."""
     min_duration_s: float | None = DEFAULT_MIN_DURATION_S
     """Reject utterances shorter than this, reason `too_short` (`--min-duration-s`; 0 or None keeps all). A clip
     under 0.2 s holds at most a phone or two: with a CTC model it is mostly a target longer than its frames or
@@ -85,12 +136,6 @@ class PackConfig:
     """tqdm progress bars on stderr (`--no-progress` to disable; off anyway when stderr is not a TTY)."""
 
     def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise ValueError(f"--codec must be one of {CODECS}, got {self.codec!r}")
-        if self.sample_rate_hz <= 0:
-            raise ValueError(f"--sample-rate must be > 0, got {self.sample_rate_hz}")
-        if self.channels < 1:
-            raise ValueError(f"--channels must be >= 1, got {self.channels}")
         if not self.target_shard_mb > 0:
             raise ValueError(f"--target-shard-mb must be > 0, got {self.target_shard_mb}")
         if self.max_samples_per_shard is not None and self.max_samples_per_shard < 1:
@@ -100,9 +145,6 @@ class PackConfig:
         if self.min_duration_s is not None and self.max_duration_s is not None:
             if self.min_duration_s > self.max_duration_s:
                 raise ValueError("--min-duration-s must be <= --max-duration-s")
-        from shardtrain.pack.transcode import channel_index
-
-        channel_index(self.channels_policy)
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.probe_threads < 1:
@@ -115,10 +157,10 @@ class PackConfig:
     def dataset_options(self) -> dict:
         """Options that shape the output (recorded in the manifest, part of the fingerprint)."""
         return {
-            "codec": self.codec,
-            "sample_rate_hz": self.sample_rate_hz,
-            "channels": self.channels,
-            "keep_original": self.keep_original,
+            "codec": self.audio.codec,
+            "sample_rate_hz": self.audio.sample_rate_hz,
+            "channels": self.audio.channels,
+            "keep_original": self.audio.keep_original,
             "target_shard_mb": self.target_shard_mb,
             "max_samples_per_shard": self.max_samples_per_shard,
             "min_duration_s": self.min_duration_s,
@@ -128,6 +170,6 @@ class PackConfig:
             **({"split": self.split} if self.split else {}),
             **({"audio_column": self.audio_column} if self.audio_column else {}),
             **({"delimiter": self.delimiter} if self.delimiter else {}),
-            **({"channels_policy": self.channels_policy} if self.channels_policy != "mix" else {}),
+            **({"channels_policy": self.audio.channel_policy} if self.audio.channel_policy != "mix" else {}),
             **({"max_chars_per_s": self.max_chars_per_s} if self.max_chars_per_s != DEFAULT_MAX_CHARS_PER_S else {}),
         }

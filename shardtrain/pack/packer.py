@@ -35,7 +35,8 @@ from tqdm import tqdm
 from shardtrain import storage
 from shardtrain._version import __version__
 from shardtrain.format import manifest as index
-from shardtrain.pack.config import DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S, PackConfig  # noqa: F401
+from shardtrain.pack.config import (DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S, AudioTarget,  # noqa: F401
+                                    PackConfig)
 from shardtrain.pack.shard_task import PackError, marker_name
 from shardtrain.storage.redact import redact_url
 
@@ -271,13 +272,10 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     from shardtrain.pack.engine import WriteJob
     from shardtrain.pack.plan import iter_specs, make_plan
     from shardtrain.pack.parts import iter_parts
-    from shardtrain.pack.transcode import AudioTarget
 
     t0 = time.perf_counter()
     out, so = str(cfg.output).rstrip("/"), cfg.storage_options
-    target = AudioTarget(codec=cfg.codec, sample_rate_hz=cfg.sample_rate_hz, channels=cfg.channels,
-                         keep_original=cfg.keep_original, verify_decode=cfg.decode_check,
-                         channel_policy=cfg.channels_policy)
+    target = cfg.audio
     parts = iter_parts(str(cfg.input), cfg.source_format, so, cfg.part_items, text_column=cfg.text_column,
                        split=cfg.split, audio_column=cfg.audio_column, delimiter=cfg.delimiter)
     if cfg.engine == "local" and cfg.workers > 1:
@@ -350,7 +348,7 @@ def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _Inde
         "tool_version": __version__,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fp,
-        "options": {"input": redact_url(str(cfg.input)), **cfg.dataset_options(), "decode_check": cfg.decode_check},
+        "options": {"input": redact_url(str(cfg.input)), **cfg.dataset_options(), "decode_check": cfg.audio.verify_decode},
         "index": index.INDEX,
         "rejects": REJECTS,
         "totals": {"samples": n_rows, "seconds": sum(s.seconds for s in shards),

@@ -73,8 +73,8 @@ def string_array(values: list[str]) -> pa.Array:
 
 def _kept(cfg: PackConfig, info) -> bool:
     """Whether the file's bytes will likely be stored unchanged (then its size is the best size estimate)."""
-    return cfg.keep_original or (info.codec, info.sample_rate_hz, info.channels) == (
-        cfg.codec, cfg.sample_rate_hz, cfg.channels)
+    a = cfg.audio
+    return a.keep_original or (info.codec, info.sample_rate_hz, info.channels) == (a.codec, a.sample_rate_hz, a.channels)
 
 
 def _probe_one(cfg: PackConfig, item):
@@ -113,7 +113,8 @@ def _estimate_bytes(cfg: PackConfig, info, duration_s: float, file_bytes: int) -
     if _kept(cfg, info) and file_bytes and info.duration_s > 0:
         est = file_bytes * min(1.0, duration_s / info.duration_s)
     else:
-        est = duration_s * cfg.sample_rate_hz * cfg.channels * 2 * ENCODE_RATIO[cfg.codec]
+        a = cfg.audio
+        est = duration_s * a.sample_rate_hz * a.channels * 2 * ENCODE_RATIO[a.codec]
     return int(est) + SAMPLE_OVERHEAD_BYTES
 
 

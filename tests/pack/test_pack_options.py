@@ -12,7 +12,7 @@ import soundfile as sf
 
 from shardtrain import cli
 from shardtrain.format.manifest import open_dataset
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 from shardtrain.pack.shard_task import PackError
 from shardtrain.pack.sources import detect_format
 from shardtrain.testing.corpus import make_corpus, synth_wave
@@ -56,18 +56,18 @@ def one_sided(tmp_path) -> Path:
 def test_channels_policy_first_keeps_the_level_mix_halves_it(tmp_path, one_sided):
     left = sf.read(one_sided / "a.wav", dtype="int16")[0][:, 0]
     _pack(one_sided, tmp_path / "mix")
-    _pack(one_sided, tmp_path / "first", channels_policy="first")
-    _pack(one_sided, tmp_path / "idx1", channels_policy="1")
+    _pack(one_sided, tmp_path / "first", audio=AudioTarget(channel_policy="first"))
+    _pack(one_sided, tmp_path / "idx1", audio=AudioTarget(channel_policy="1"))
     mix, first, idx1 = (_audio(tmp_path / n)["a"] for n in ("mix", "first", "idx1"))
     assert np.array_equal(first, left)  # exact: a picked channel is copied as int16
     rms = lambda x: float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))  # noqa: E731
     assert rms(mix) == pytest.approx(rms(left) / 2, rel=0.01)  # the 6 dB an average loses
     assert not idx1.any()
     with pytest.raises(PackError, match="no utterance accepted .* missing_channel x1"):  # nothing left: no dataset
-        _pack(one_sided, tmp_path / "idx2", channels_policy="2")
+        _pack(one_sided, tmp_path / "idx2", audio=AudioTarget(channel_policy="2"))
     assert not (tmp_path / "idx2" / "manifest.json").exists()
     with pytest.raises(ValueError, match="--channels-policy"):
-        PackConfig(input="x", output="y", channels_policy="left")
+        PackConfig(input="x", output="y", audio=AudioTarget(channel_policy="left"))
 
 
 def test_channels_policy_and_min_duration_in_cli_help(capsys):
