@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from conftest import dataset_sha256s
+
 from shardtrain import cli
 from shardtrain.format.manifest import open_dataset
 from shardtrain.pack.packer import AudioTarget, PackConfig, pack
@@ -140,3 +142,22 @@ def test_dataset_dict_detected_and_split_required(tmp_path):
     assert cli.main(["pack", str(tmp_path / "dd"), str(tmp_path / "cli"), "--split", "test", "--no-progress"]) == 0
     assert [x["text"] for x in _rows(tmp_path / "cli").values()] == ["drei"]
     assert cli.main(["pack", str(tmp_path / "dd"), str(tmp_path / "cli2"), "--no-progress"]) == 2
+
+
+def test_audio_flags_reach_the_nested_audio_target_and_the_manifest_as_before(tmp_path):
+    """The CLI's audio flags build PackConfig.audio: the same shards, index and manifest as PackConfig(audio=...)
+    in Python, and the manifest records the options under the names (and the fingerprint) packs always had."""
+    src = make_corpus(tmp_path / "src", [0.5, 1.0, 0.7], sample_rate_hz=22050, fmt="wav", channels=2, seed=5)
+    flags = ["--codec", "wav", "--sample-rate", "8000", "--channels", "1", "--channels-policy", "first",
+             "--no-decode-check", "--no-progress"]
+    assert cli.main(["pack", str(src), str(tmp_path / "cli"), *flags]) == 0
+    audio = AudioTarget(codec="wav", sample_rate_hz=8000, channels=1, channel_policy="first", verify_decode=False)
+    pack(PackConfig(input=str(src), output=str(tmp_path / "api"), audio=audio, progress=False))
+    assert dataset_sha256s(tmp_path / "cli") == dataset_sha256s(tmp_path / "api")
+    options = json.loads((tmp_path / "cli" / "manifest.json").read_text())["options"]
+    assert options == {"input": str(src), "codec": "wav", "sample_rate_hz": 8000, "channels": 1,
+                       "keep_original": False, "decode_check": False, "channels_policy": "first",
+                       "target_shard_mb": 256.0, "max_samples_per_shard": None, "min_duration_s": 0.2,
+                       "max_duration_s": None, "source_format": "auto"}
+    with pytest.raises(ValueError, match="--sample-rate 22050 is not allowed with opus"):
+        PackConfig(input="x", output="y", audio=AudioTarget(codec="opus", sample_rate_hz=22050))
