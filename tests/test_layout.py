@@ -169,6 +169,23 @@ def test_the_package_follows_the_rule():
     assert violations(PKG) == []
 
 
+def _third_party(path: Path) -> set[str]:
+    """Top-level names of the packages `path` imports, anywhere in it (lazy imports too)."""
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
+    return {name.split(".")[0] for name in names}
+
+
+def test_only_storage_talks_to_fsspec():
+    """Storage access lives in one room: the product rooms name a filesystem as `storage.FileSystem` and open URLs
+    through `storage.fs_and_path` (with its S3 tuning, retries and redaction), never through fsspec itself.
+    testing/ is exempt: its S3 server hands tests a raw s3fs client on purpose (to look behind storage/)."""
+    found = [str(p.relative_to(ROOT)) for p in sorted(PKG.rglob("*.py"))
+             if _room(_module_name(p, PKG)) not in ("storage", "testing") and {"fsspec", "s3fs"} & _third_party(p)]
+    assert found == [], f"import fsspec/s3fs outside shardtrain/storage: {found}"
+
+
 @pytest.mark.parametrize("room", sorted(ALLOWED))
 def test_every_room_is_a_package_with_a_map(room):
     init = PKG / room / "__init__.py"
