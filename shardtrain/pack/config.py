@@ -2,8 +2,8 @@
 holds (what shards store), each validated once, when built.
 
 Frozen dataclasses with no I/O and light imports (format.codecs only), so every pack module can name them (the
-scan, plan and shard tasks read them) without importing the packer or soundfile. `dataset_options` is what the manifest records
-and the dataset fingerprint hashes: a field added there changes every fingerprint.
+scan, plan and shard tasks read them) without importing the packer or soundfile. `dataset_options` is what the
+manifest records and the dataset fingerprint hashes: a field added there changes every fingerprint.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ DEFAULT_MAX_CHARS_PER_S = 50.0
 """Default of PackConfig.max_chars_per_s (`--max-chars-per-s`): pack/itemcheck.py says why 50."""
 DEFAULT_MIN_DURATION_S = 0.2
 ENGINES = ("local", "ray")
-
 
 OPUS_RATES_HZ = (8000, 12000, 16000, 24000, 48000)
 """Sample rates Opus encodes (a target outside them is refused)."""
@@ -38,7 +37,8 @@ class AudioTarget:
     codecs are still transcoded to this target)."""
     verify_decode: bool = True
     """Decode kept-original files fully so a truncated file is rejected here, not in the training loader
-    (FLAC: ~2 ms per 10 s of audio). False still checks that the content reaches the length the header claims (tailcheck: ~0.05 ms)."""
+    (FLAC: ~2 ms per 10 s of audio; `--no-decode-check` turns it off). False still checks that the content reaches
+    the length the header claims (tailcheck: ~0.05 ms)."""
     channel_policy: str = "mix"
     """How a multi-channel input becomes the mono a 1-channel target stores (`--channels-policy`): "mix" averages
     the channels (a recording with speech on one side only loses 6 dB), "first" keeps channel 0, "<index>" keeps
