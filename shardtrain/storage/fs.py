@@ -34,7 +34,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeAlias
 
 import fsspec
 import fsspec.implementations.local  # noqa: F401  (imported on first use otherwise: ~25 ms of the first batch)
@@ -117,7 +117,7 @@ def _endpoint_checked(url: str, storage_options: dict | None) -> None:
     _endpoint_ok.add(okey)
 
 
-FileSystem = fsspec.AbstractFileSystem
+FileSystem: TypeAlias = fsspec.AbstractFileSystem
 """What `fs_and_path` returns: rooms above storage name the type through here and never import fsspec."""
 
 
