@@ -48,7 +48,7 @@ def _dir_bytes(path: Path) -> int:
 
 def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float, decode_check: bool = True,
                    engine: str = "local") -> dict:
-    from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 
     ray_start_s = 0.0
     if engine == "ray":  # a local Ray cluster of `workers` CPUs, started outside the timed section
@@ -60,7 +60,7 @@ def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float
     try:
         t0 = time.perf_counter()
         r = pack(PackConfig(input=str(corpus), output=str(out), workers=workers, target_shard_mb=target_shard_mb,
-                            decode_check=decode_check, progress=False, engine=engine))
+                            audio=AudioTarget(verify_decode=decode_check), progress=False, engine=engine))
         wall_s = time.perf_counter() - t0
     finally:
         if engine == "ray":

@@ -3,8 +3,11 @@
     base (world, faults, _version)  <-  storage  <-  format  <-  {pack, load}  <-  train  <-  infer  <-  cli
     testing imports only storage (and base); pack and load never import each other.
 
-Checked on the source (AST), so lazy imports inside functions and TYPE_CHECKING imports count too. The first
-test runs the checker on a copy of the tree with a forbidden import added, so a checker that sees nothing fails.
+Checked on the source (AST), so lazy imports inside functions and TYPE_CHECKING imports count too: for the room
+rule all of them, for the cycle check every import that runs (module level and lazy, function-level ones). A lazy
+import only hides a circle until the function runs. TYPE_CHECKING imports stay out of the cycle graph: they never
+run, and a type named both ways (a config and the module that reads it) is not a circle. The first tests run the
+checker on a copy of the tree with a forbidden import and circles added, so a checker that sees nothing fails.
 """
 from __future__ import annotations
 
@@ -39,12 +42,30 @@ def _module_name(path: Path, pkg: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, pkg: Path, module_level_only: bool) -> set[str]:
-    """Dotted shardtrain modules `path` imports (`from shardtrain import x` counts as shardtrain.x)."""
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _runtime_nodes(tree: ast.Module) -> list[ast.AST]:
+    """Every node outside `if TYPE_CHECKING:` blocks: module level, function bodies (lazy imports), classes."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if _type_checking(node):
+            todo += node.orelse
+            continue
+        out.append(node)
+        todo += list(ast.iter_child_nodes(node))
+    return out
+
+
+def _imports(path: Path, pkg: Path, module_level_only: bool, runtime_only: bool = False) -> set[str]:
+    """Dotted shardtrain modules `path` imports (`from shardtrain import x` counts as shardtrain.x): at module
+    level only, or everywhere (lazy imports too), with or without those under TYPE_CHECKING (`runtime_only`)."""
     tree = ast.parse(path.read_text())
-    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    nodes = _runtime_nodes(tree) if runtime_only else list(ast.walk(tree))
     if module_level_only:  # module level includes `if`/`try` blocks, but not function bodies or TYPE_CHECKING
-        nodes = [n for top in tree.body if not (isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test))
+        nodes = [n for top in tree.body if not _type_checking(top)
                  for n in ([top] if not isinstance(top, (ast.If, ast.Try)) else ast.walk(top))]
     out = set()
     for n in nodes:
@@ -64,7 +85,8 @@ def _room(module: str) -> str:
 
 
 def violations(pkg: Path) -> list[str]:
-    """Every import that breaks the room rule, and every import cycle among module-level imports."""
+    """Every import that breaks the room rule, and every import cycle among the imports that run (module level and
+    lazy; not TYPE_CHECKING)."""
     bad = []
     graph: dict[str, set[str]] = {}
     for path in sorted(pkg.rglob("*.py")):
@@ -79,7 +101,7 @@ def violations(pkg: Path) -> list[str]:
                 bad.append(f"{mod} imports {imp}: base modules import nothing from shardtrain")
             elif target not in ALLOWED.get(room, set()):
                 bad.append(f"{mod} imports {imp}: {room} may import only {sorted(ALLOWED.get(room, set()))}")
-        graph[mod] = {i for i in _imports(path, pkg, module_level_only=True) if i != mod}
+        graph[mod] = {i for i in _imports(path, pkg, module_level_only=False, runtime_only=True) if i != mod}
     bad += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
     return bad
 
@@ -122,6 +144,20 @@ def test_checker_catches_a_forbidden_import_and_a_cycle(tmp_path):
     assert any(v.startswith("import cycle:") and "a_mod" in v and "b_mod" in v for v in found), found
 
 
+def test_a_lazy_import_circle_is_a_cycle_and_a_type_checking_one_is_not(tmp_path):
+    """A circle closed by a function-level import fails the check; one closed only under TYPE_CHECKING does not."""
+    pkg = tmp_path / "shardtrain"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "pack" / "c_mod.py").write_text("from shardtrain.pack import d_mod\n")
+    (pkg / "pack" / "d_mod.py").write_text("def f():\n    from shardtrain.pack import c_mod  # noqa\n")
+    (pkg / "pack" / "e_mod.py").write_text("from shardtrain.pack import f_mod\n")
+    (pkg / "pack" / "f_mod.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                           "    from shardtrain.pack import e_mod  # noqa\n")
+    found = [v for v in violations(pkg) if v.startswith("import cycle:")]
+    assert any("c_mod" in v and "d_mod" in v for v in found), found
+    assert not any("e_mod" in v or "f_mod" in v for v in found), found
+
+
 def test_pack_and_load_do_not_know_each_other(tmp_path):
     pkg = tmp_path / "shardtrain"
     shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
@@ -131,6 +167,23 @@ def test_pack_and_load_do_not_know_each_other(tmp_path):
 
 def test_the_package_follows_the_rule():
     assert violations(PKG) == []
+
+
+def _third_party(path: Path) -> set[str]:
+    """Top-level names of the packages `path` imports, anywhere in it (lazy imports too)."""
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
+    return {name.split(".")[0] for name in names}
+
+
+def test_only_storage_talks_to_fsspec():
+    """Storage access lives in one room: the product rooms name a filesystem as `storage.FileSystem` and open URLs
+    through `storage.fs_and_path` (with its S3 tuning, retries and redaction), never through fsspec itself.
+    testing/ is exempt: its S3 server hands tests a raw s3fs client on purpose (to look behind storage/)."""
+    found = [str(p.relative_to(ROOT)) for p in sorted(PKG.rglob("*.py"))
+             if _room(_module_name(p, PKG)) not in ("storage", "testing") and {"fsspec", "s3fs"} & _third_party(p)]
+    assert found == [], f"import fsspec/s3fs outside shardtrain/storage: {found}"
 
 
 @pytest.mark.parametrize("room", sorted(ALLOWED))

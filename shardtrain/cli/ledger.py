@@ -62,7 +62,7 @@ def _cmd_ledger(args) -> int:
     if not history.attempts:
         print(f"{args.run}: the ledger holds no attempt yet (no step was checkpointed)", file=sys.stderr)
         return 1
-    from shardtrain.load.planner import make_planner
+    from shardtrain.load.mixplan import make_planner
     from shardtrain.train.config import RunConfig, data_sources
     from shardtrain.train.ledger_report import account, counts_from_selection, where_seen
     from shardtrain.train.overrides import from_dict

@@ -93,7 +93,7 @@ def _delimiter(value: str) -> str:
 def _cmd_pack(args) -> int:
     import json
 
-    from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.pack.packer import AudioTarget, PackConfig, pack
     from shardtrain.pack.nothing import NothingAccepted
     from shardtrain.pack.shard_task import PackError
 
@@ -101,10 +101,10 @@ def _cmd_pack(args) -> int:
         cfg = PackConfig(
             input=args.input, output=args.output, source_format=args.source_format, text_column=args.text_column,
             audio_column=args.audio_column, delimiter=args.delimiter,
-            split=args.split, channels_policy=args.channels_policy,
-            storage_options=_parse_storage_options(args.storage_option) or None, codec=args.codec,
-            sample_rate_hz=args.sample_rate, channels=args.channels, keep_original=args.keep_original,
-            decode_check=not args.no_decode_check,
+            split=args.split, storage_options=_parse_storage_options(args.storage_option) or None,
+            audio=AudioTarget(codec=args.codec, sample_rate_hz=args.sample_rate, channels=args.channels,
+                              keep_original=args.keep_original, verify_decode=not args.no_decode_check,
+                              channel_policy=args.channels_policy),
             target_shard_mb=args.target_shard_mb, max_samples_per_shard=args.max_samples_per_shard,
             min_duration_s=args.min_duration or None, max_duration_s=args.max_duration, workers=args.workers,
             max_chars_per_s=args.max_chars_per_s or None,

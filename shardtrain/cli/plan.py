@@ -58,7 +58,7 @@ def _stream_config(args):
 
 def _cmd_plan(args) -> int:
     from shardtrain.format.manifest import DatasetError, open_dataset
-    from shardtrain.load.planner import make_planner
+    from shardtrain.load.mixplan import make_planner
     from shardtrain.load.preflight import (PreflightConfig, batch_figures, io_figures, memory_figures,
                                            mixture_figures, pair_repeat)
 

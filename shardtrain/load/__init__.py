@@ -9,7 +9,8 @@
     planner.py  the planner seam (Planner, EpochView, RankChunk, Shards) with the rows and blocks planners
     loader.py   Loader / build_loader: any planner -> reader -> (Batch, state) with resume and elastic re-stripe
     mixture.py  weighted mixtures, pure: which rows of each dataset an epoch holds -> one gathered PlanIndex
-    mixplan.py  MixturePlanner: a weighted mixture (local and s3:// mixed) planned by rows or by blocks
+    mixplan.py  MixturePlanner: a weighted mixture (local and s3:// mixed) planned by rows or by blocks;
+                make_planner (one URL or a mixture)
     blockplan.py the epoch plan at block granularity for 100M-row corpora (stream.planner=blocks; auto from 4M rows)
     mapped.py   the index as a node-shared memory map (built once per node) for the block planner
     bench.py    the loader timed per stage (`shardtrain bench`)

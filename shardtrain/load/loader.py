@@ -41,7 +41,8 @@ from shardtrain.load.batch import Batch
 from shardtrain.load.buffers import BatchBuffers
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.plan import BucketConfig, Chunk
-from shardtrain.load.planner import EpochView, Planner, RankChunk, make_planner, open_planner  # noqa: F401 (make_planner: re-exported)
+from shardtrain.load.mixplan import make_planner  # noqa: F401 (re-exported)
+from shardtrain.load.planner import EpochView, Planner, RankChunk, open_planner  # noqa: F401
 from shardtrain.load.reader import ChunkBatches, ChunkReader, StreamError
 from shardtrain.world import World
 

@@ -34,8 +34,8 @@ from shardtrain.load import rowfilter
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.mixture import MixEpoch, _take, gather_index, select_epoch, targets_s
 from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, Chunk, PlanIndex, cost_s
-from shardtrain.load.planner import (BlocksEpoch, Chain, RankChunk, RowsEpoch, Shards, blocks_epoch, by_blocks,
-                                     index_drop_mask, open_blocks, rows_epoch)
+from shardtrain.load.planner import (BlocksEpoch, Chain, Planner, RankChunk, RowsEpoch, Shards, blocks_epoch,
+                                     by_blocks, index_drop_mask, open_blocks, open_planner, rows_epoch)
 from shardtrain.load.errors import StreamError
 
 log = logging.getLogger(__name__)
@@ -215,3 +215,13 @@ def _gather_small(indexes: list[PlanIndex], mix: MixEpoch, base: np.ndarray) -> 
     idx = gather_index(bare, mix, base)
     return PlanIndex(**{**{f: getattr(idx, f) for f in PLAN_COLUMNS}, "key": strings.get("key"),
                         "text": strings.get("text")})
+
+
+def make_planner(url: str | list | tuple, *, seed: int, cfg: StreamConfig, storage_options: dict | None = None,
+                 epoch_hours: float | None = None) -> Planner:
+    """The planner of one dataset URL, or of a list of datasets (each a URL or (URL, weight)): a weighted mixture
+    (MixturePlanner). Metadata only: what `build_loader`, `shardtrain plan` and the ledger all plan with. Lives
+    here, beside the mixture, so planner.py never imports mixplan.py (no import circle)."""
+    if isinstance(url, (list, tuple)):
+        return MixturePlanner(url, cfg, seed, storage_options, epoch_hours)
+    return open_planner(url, cfg, seed, storage_options)

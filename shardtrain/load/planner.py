@@ -314,14 +314,3 @@ def open_planner(url: str, cfg: StreamConfig, seed: int, storage_options: dict |
     rows = sum(s.samples for s in ds.shards)
     kind = BlocksPlanner if by_blocks(cfg, rows, url) else RowsPlanner
     return kind(ds, cfg, seed, storage_options)
-
-
-def make_planner(url: str | list | tuple, *, seed: int, cfg: StreamConfig, storage_options: dict | None = None,
-                 epoch_hours: float | None = None) -> Planner:
-    """The planner of one dataset URL, or of a list of datasets (each a URL or (URL, weight)): a weighted mixture
-    (load/mixplan.py). Metadata only: what `build_loader`, `shardtrain plan` and the ledger all plan with."""
-    if isinstance(url, (list, tuple)):
-        from shardtrain.load.mixplan import MixturePlanner
-
-        return MixturePlanner(url, cfg, seed, storage_options, epoch_hours)
-    return open_planner(url, cfg, seed, storage_options)

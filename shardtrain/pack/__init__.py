@@ -1,5 +1,7 @@
 """pack: raw corpora -> shards + index.parquet + manifest.json. Imports `format` and `storage`, never `load`.
 
+    item.py        Item | Reject, what every input reader yields, and the line/row helpers they share
+    inputfs.py     where input files live: the filesystem of an input URL, Item.audio references, text opens
     sources.py     input formats (folder, TSV/CSV/JSONL, LibriSpeech, Lhotse cuts) -> Item | Reject
     corpora.py     Kaldi data dirs, Hugging Face datasets, Common Voice releases -> Item | Reject (via sources)
     metadata.py    folders described by one table: LJSpeech (metadata.csv + wavs/), Hugging Face audiofolder
@@ -15,13 +17,15 @@
     plan.py        the global plan on the driver from PartScans: duplicates, keys, rejects, sort, shards, fingerprint
     shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process or a Ray task)
     engine.py      where tasks run: LocalEngine (this process + a process pool) or RayEngine (`--engine ray`)
-    packer.py      PackConfig and pack(): parts -> engine.scan -> make_plan -> engine.write -> index -> manifest
+    config.py      PackConfig and the AudioTarget it holds: the options of a pack, validated once
+    packer.py      pack(): parts -> engine.scan -> make_plan -> engine.write -> index -> manifest
     lifeline.py    pool workers die with the pack that started them (PDEATHSIG + a parent-watch thread)
     verify.py      `shardtrain inspect [--verify]`: summaries and integrity checks of a packed dataset
     safeio.py      bounded reads of untrusted input files (regular files only, at most a limit, never blocking)
     tailcheck.py   does an audio file's content reach the length its header claims (without a full decode)
 """
-from shardtrain.pack.packer import PackConfig, PackResult, pack
+from shardtrain.pack.config import AudioTarget, PackConfig
+from shardtrain.pack.packer import PackResult, pack
 from shardtrain.pack.shard_task import PackError
 
-__all__ = ["PackConfig", "PackError", "PackResult", "pack"]
+__all__ = ["AudioTarget", "PackConfig", "PackError", "PackResult", "pack"]

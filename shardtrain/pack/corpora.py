@@ -31,11 +31,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fsspec
-
+from shardtrain import storage
 from shardtrain.format.audioref import byte_range_ref
+from shardtrain.pack.inputfs import audio_ref, open_text
+from shardtrain.pack.item import Item, Reject, opt_str, table_rows
 from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
-from shardtrain.pack.sources import Item, Reject, _is_local_fs, _open_text, _opt_str, _ref, table_rows
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _ARK_OFFSET = re.compile(r"^(?P<path>.+):(?P<offset>\d+)$")
 
 
 # ---- detection ------------------------------------------------------------------------------------------------
-def detect(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+def detect(fs: storage.FileSystem, path: str) -> str | None:
     """"kaldi", "hf" or "commonvoice" when `path` has that layout, else None (a few small reads at most)."""
     if fs.isfile(path):
         low = path.lower()
@@ -63,7 +63,7 @@ def detect(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
                 return "commonvoice"
         return None
     # names only: fsspec's local ls normalises every entry (~14 us each, 0.08 s of a 3,000-file folder's pack)
-    names = set(os.listdir(path)) if _is_local_fs(fs) else {p.rstrip("/").rsplit("/", 1)[-1]
+    names = set(os.listdir(path)) if storage.fs_is_local(fs) else {p.rstrip("/").rsplit("/", 1)[-1]
                                                             for p in fs.ls(path, detail=False)}
     has = lambda n: n in names  # noqa: E731
     if has("wav.scp") and has("text"):
@@ -76,13 +76,13 @@ def detect(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     return None
 
 
-def _tsv_header(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    with _open_text(fs, path) as f:
+def _tsv_header(fs: storage.FileSystem, path: str) -> list[str]:
+    with open_text(fs, path) as f:
         return [c.strip().lstrip("\ufeff") for c in f.readline().rstrip("\r\n").split("\t")]
 
 
 # ---- Kaldi ----------------------------------------------------------------------------------------------------
-def _kaldi_table(fs: fsspec.AbstractFileSystem, path: str, rejects: list[Reject]) -> dict[str, str]:
+def _kaldi_table(fs: storage.FileSystem, path: str, rejects: list[Reject]) -> dict[str, str]:
     """`<id> <value>` lines -> {id: value} (value may be empty or hold spaces); undecodable lines -> rejects."""
     out: dict[str, str] = {}
     if not fs.exists(path):
@@ -156,7 +156,7 @@ def _pipe_input(cmd: str) -> str | Reject:
                            "`wav-copy scp:wav.scp ark,scp:wav.ark,wav_files.scp`, and point wav.scp at them")
 
 
-def _ark_ref(fs: fsspec.AbstractFileSystem, value: str) -> str | Reject | None:
+def _ark_ref(fs: storage.FileSystem, value: str) -> str | Reject | None:
     """`x.ark:OFFSET` holding a Kaldi RIFF/WAV entry -> a byte-range reference; None when not an ark entry."""
     m = _ARK_OFFSET.match(value)
     if m is None or not m["path"].endswith(".ark"):
@@ -171,12 +171,12 @@ def _ark_ref(fs: fsspec.AbstractFileSystem, value: str) -> str | Reject | None:
     if head[:4] != b"RIFF" or len(head) < 8:
         kind = "features (a matrix)" if head[:2] == b"\0B" else f"{head[:4]!r}"
         return Reject("", ark, f"unsupported_ark: {value} holds {kind}, not a RIFF/WAV recording")
-    ref = _ref(fs, ark)
+    ref = audio_ref(fs, ark)
     ref = ref if "://" in ref else os.path.abspath(ref)  # relative to the working directory, like plain paths
     return byte_range_ref(ref, offset, offset + 8 + int.from_bytes(head[4:8], "little"))
 
 
-def _wav_ref(fs: fsspec.AbstractFileSystem, value: str) -> str | Reject:
+def _wav_ref(fs: storage.FileSystem, value: str) -> str | Reject:
     if value.startswith(("ark:", "scp:")):
         return Reject("", value, f"unsupported_ark: {value!r} (a table specifier, not one recording)")
     if value.endswith("|"):
@@ -190,7 +190,7 @@ def _wav_ref(fs: fsspec.AbstractFileSystem, value: str) -> str | Reject:
     return value if "://" in value or value.startswith("/") else os.path.abspath(value)
 
 
-def iter_kaldi(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reject]:
+def iter_kaldi(fs: storage.FileSystem, root: str) -> Iterator[Item | Reject]:
     """wav.scp + text [+ segments, utt2spk, utt2lang]: one Item per utterance, in segments (else wav.scp) order."""
     rejects: list[Reject] = []
     join = lambda n: posixpath.join(root, n)  # noqa: E731
@@ -231,15 +231,15 @@ def iter_kaldi(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reje
             continue
         whole = start == 0 and end == -1
         yield Item(id=utt, audio=ref, text=texts[utt], start_s=start,
-                   duration_s=None if end == -1 else end - start, speaker=_opt_str(spk.get(utt)),
-                   language=_opt_str(lang.get(utt)), extra=() if whole or not has_segments else (("recording", rec),))
+                   duration_s=None if end == -1 else end - start, speaker=opt_str(spk.get(utt)),
+                   language=opt_str(lang.get(utt)), extra=() if whole or not has_segments else (("recording", rec),))
     for utt in sorted(set(texts) - set(segments)):
         yield Reject(utt, join("text"), f"missing_audio: {utt} is in text but not in "
                                         f"{'segments' if has_segments else 'wav.scp'}")
 
 
 # ---- Common Voice ---------------------------------------------------------------------------------------------
-def iter_commonvoice(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Reject]:
+def iter_commonvoice(fs: storage.FileSystem, path: str) -> Iterator[Item | Reject]:
     """A Common Voice TSV (validated.tsv for a release folder): clip `clips/<path>`, text = sentence, speaker =
     client_id, language = locale; age, gender, accents, ... go to extra when not empty."""
     if fs.isdir(path):
@@ -249,7 +249,7 @@ def iter_commonvoice(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item 
                              "(train.tsv, dev.tsv, ...) as INPUT instead")
         path = tsv
     clips = posixpath.join(posixpath.dirname(path), "clips")
-    with _open_text(fs, path) as f:
+    with open_text(fs, path) as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = [h.strip().lstrip("\ufeff") for h in next(reader, [])]
         missing = {"path", "sentence"} - set(header)
@@ -265,13 +265,13 @@ def iter_commonvoice(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item 
                 yield Reject(where, where, f"bad_field: path {clip!r} is not a file name in clips/")
                 continue
             extra = tuple((k, rec[k]) for k in _CV_EXTRA if rec.get(k, "").strip())
-            yield Item(id=posixpath.splitext(clip)[0], audio=_ref(fs, posixpath.join(clips, clip)),
-                       text=rec["sentence"], speaker=_opt_str(rec.get("client_id")),
-                       language=_opt_str(rec.get("locale")), extra=extra)
+            yield Item(id=posixpath.splitext(clip)[0], audio=audio_ref(fs, posixpath.join(clips, clip)),
+                       text=rec["sentence"], speaker=opt_str(rec.get("client_id")),
+                       language=opt_str(rec.get("locale")), extra=extra)
 
 
 # ---- Hugging Face datasets ------------------------------------------------------------------------------------
-def _hf_files(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+def _hf_files(fs: storage.FileSystem, path: str) -> list[str]:
     if fs.isfile(path):
         return [path]
     state = posixpath.join(path, "state.json")
@@ -302,7 +302,7 @@ def _pick_column(names: list[str], wanted: str | None, aliases: tuple[str, ...])
     return next((a for a in aliases if a in names), None)
 
 
-def _parquet_as_arrow(fs: fsspec.AbstractFileSystem, path: str, cache_dir: Path) -> str:
+def _parquet_as_arrow(fs: storage.FileSystem, path: str, cache_dir: Path) -> str:
     """Rewrite a Parquet file once as an Arrow IPC stream (audio bytes become addressable byte ranges)."""
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
@@ -325,7 +325,7 @@ def _parquet_as_arrow(fs: fsspec.AbstractFileSystem, path: str, cache_dir: Path)
     return str(out)
 
 
-def _hf_meta(fs: fsspec.AbstractFileSystem, root: str, schema: Any) -> dict | None:
+def _hf_meta(fs: storage.FileSystem, root: str, schema: Any) -> dict | None:
     info = posixpath.join(root, "dataset_info.json")
     if fs.isdir(root) and fs.exists(info):
         return json.loads(fs.cat_file(info))
@@ -333,7 +333,7 @@ def _hf_meta(fs: fsspec.AbstractFileSystem, root: str, schema: Any) -> dict | No
     return json.loads(raw) if raw else None
 
 
-def hf_splits(fs: fsspec.AbstractFileSystem, path: str) -> list[str] | None:
+def hf_splits(fs: storage.FileSystem, path: str) -> list[str] | None:
     """The splits of a DatasetDict `save_to_disk` folder (its dataset_dict.json), or None when `path` is not one."""
     meta = posixpath.join(path, "dataset_dict.json")
     if not fs.isdir(path) or not fs.exists(meta):
@@ -347,7 +347,7 @@ def hf_splits(fs: fsspec.AbstractFileSystem, path: str) -> list[str] | None:
     return splits
 
 
-def _hf_split_path(fs: fsspec.AbstractFileSystem, path: str, split: str | None) -> str:
+def _hf_split_path(fs: storage.FileSystem, path: str, split: str | None) -> str:
     """`path` itself, or its `split` folder when `path` is a DatasetDict (which then needs a valid `--split`)."""
     splits = hf_splits(fs, path)
     if splits is None:
@@ -360,7 +360,7 @@ def _hf_split_path(fs: fsspec.AbstractFileSystem, path: str, split: str | None) 
     return posixpath.join(path, split)
 
 
-def iter_hf(fs: fsspec.AbstractFileSystem, path: str, text_column: str | None = None,
+def iter_hf(fs: storage.FileSystem, path: str, text_column: str | None = None,
             arrow_cache_dir: str | os.PathLike | None = None, split: str | None = None) -> Iterator[Item | Reject]:
     """One Item per row of a Hugging Face dataset's Arrow/Parquet files (see the module docstring); a DatasetDict
     folder (dataset_dict.json) reads its `split` sub-folder."""
@@ -372,7 +372,7 @@ def iter_hf(fs: fsspec.AbstractFileSystem, path: str, text_column: str | None = 
     n = 0
     for data_file in _hf_files(fs, path):
         local = data_file if data_file.endswith(".arrow") else _parquet_as_arrow(fs, data_file, cache)
-        if local == data_file and "://" in _ref(fs, data_file):
+        if local == data_file and "://" in audio_ref(fs, data_file):
             raise ValueError(f"{data_file}: Arrow inputs must be local files (copy them, or use the Parquet files)")
         with pa.memory_map(local, "r") as mm:
             base = mm.read_buffer(1).address
@@ -430,4 +430,4 @@ def _hf_rows(rb: Any, audio_col: str, text_col: str, base: int, local: str, data
             continue
         text = texts[i]
         yield Item(id=str(item_id), audio=ref, text=None if text is None else str(text),
-                   speaker=_opt_str(spk[i]), language=_opt_str(lang[i]))
+                   speaker=opt_str(spk[i]), language=opt_str(lang[i]))

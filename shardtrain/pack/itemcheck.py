@@ -22,11 +22,9 @@ from shardtrain.format.limits import row_problem
 
 if TYPE_CHECKING:
     from shardtrain.format.audio import AudioInfo
-    from shardtrain.pack.packer import PackConfig
-    from shardtrain.pack.sources import Item
+    from shardtrain.pack.config import PackConfig
+    from shardtrain.pack.item import Item
 
-DEFAULT_MAX_CHARS_PER_S = 50.0
-"""Default of PackConfig.max_chars_per_s (`--max-chars-per-s`): see the module docstring."""
 TARGET_SLACK_CHARS = 20
 """Characters allowed on top of rate x duration: clips are often cut tight around a short phrase ("thank you very
 much"), so below ~0.5 s the per-second rate alone would judge the cut, not the transcript."""

@@ -14,16 +14,16 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterator
 
-import fsspec
-
+from shardtrain import storage
+from shardtrain.pack.inputfs import audio_ref, open_text
+from shardtrain.pack.item import Item, Reject, split_lines
 from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
-from shardtrain.pack.sources import Item, Reject, _open_text, _ref, split_lines
 
 METADATA_FILES = (("metadata.csv", "csv"), ("metadata.tsv", "tsv"), ("metadata.jsonl", "jsonl"))
 """A folder holding one of these (first wins) is read through it, with this manifest format."""
 
 
-def metadata_file(fs: fsspec.AbstractFileSystem, folder: str) -> tuple[str, str] | None:
+def metadata_file(fs: storage.FileSystem, folder: str) -> tuple[str, str] | None:
     """(path, format) of the folder's metadata table: format "ljspeech" for an LJSpeech metadata.csv (its first
     line's id names a wavs/<id>.wav), else the table's own csv/tsv/jsonl; None without one."""
     for name, fmt in METADATA_FILES:
@@ -33,14 +33,14 @@ def metadata_file(fs: fsspec.AbstractFileSystem, folder: str) -> tuple[str, str]
     return None
 
 
-def _is_ljspeech(fs: fsspec.AbstractFileSystem, folder: str, path: str) -> bool:
-    with _open_text(fs, path) as f:
+def _is_ljspeech(fs: storage.FileSystem, folder: str, path: str) -> bool:
+    with open_text(fs, path) as f:
         first = f.readline().rstrip("\r\n").lstrip("\ufeff")
     fields = first.split("|")
     return len(fields) in (2, 3) and fs.isfile(posixpath.join(folder, "wavs", fields[0] + ".wav"))
 
 
-def iter_ljspeech(fs: fsspec.AbstractFileSystem, folder: str, path: str) -> Iterator[Item | Reject]:
+def iter_ljspeech(fs: storage.FileSystem, folder: str, path: str) -> Iterator[Item | Reject]:
     """One Item per `id|text[|normalized]` line of LJSpeech's metadata.csv (no header, no quoting: transcripts
     hold `"`), audio wavs/<id>.wav. A line with another field count is a `bad_row` Reject; a wav that is not there
     becomes a missing_audio reject when the packer probes it."""
@@ -58,4 +58,4 @@ def iter_ljspeech(fs: fsspec.AbstractFileSystem, folder: str, path: str) -> Iter
             continue
         utt = fields[0].strip()
         said = fields[2] if len(fields) == 3 and fields[2].strip() else fields[1]
-        yield Item(id=utt, audio=_ref(fs, posixpath.join(folder, "wavs", utt + ".wav")), text=said.strip())
+        yield Item(id=utt, audio=audio_ref(fs, posixpath.join(folder, "wavs", utt + ".wav")), text=said.strip())

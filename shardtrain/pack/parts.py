@@ -12,8 +12,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardtrain.pack.sources import (Item, Reject, _dir_entries, _dir_items, _fs, _iter_librispeech,
-                                     _librispeech_transcripts, iter_items, resolve_format)
+from shardtrain.pack.inputfs import input_fs
+from shardtrain.pack.item import Item, Reject
+from shardtrain.pack.sources import (_dir_entries, _dir_items, _iter_librispeech, _librispeech_transcripts,
+                                     iter_items, resolve_format)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ def iter_parts(input: str, source_format: str = "auto", storage_options: dict | 
     source_format = resolve_format(input, source_format, storage_options)
     if split is not None and source_format != "hf":
         raise ValueError(f"--split {split} applies to a Hugging Face DatasetDict; {input!r} is {source_format!r}")
-    fs, path = _fs(input, storage_options)
+    fs, path = input_fs(input, storage_options)
     if source_format in ("dir", "librispeech"):
         todo: list = _dir_entries(fs, path) if source_format == "dir" else _librispeech_transcripts(fs, path)
         step = part_items if source_format == "dir" else max(1, part_items // 64)  # ~100 utterances a chapter
@@ -65,7 +67,7 @@ def part_items(part: SourcePart, storage_options: dict | None = None) -> Iterato
     """The Items and Rejects of one part, in input order (reads transcripts for dir/LibriSpeech parts)."""
     if part.source_format not in ("dir", "librispeech"):
         return iter(part.items)
-    fs, path = _fs(part.input, storage_options)
+    fs, path = input_fs(part.input, storage_options)
     if part.source_format == "dir":
         return _dir_items(fs, part.entries)
     return _iter_librispeech(fs, path, list(part.entries))

@@ -31,8 +31,6 @@ from shardtrain.pack.safeio import MAX_AUDIO_BYTES, InputFileError, check_regula
 
 log = logging.getLogger(__name__)
 
-OPUS_RATES_HZ = (8000, 12000, 16000, 24000, 48000)
-MP3_RATES_HZ = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 SEGMENT_TOLERANCE_S = 0.025
 """A segment may overrun the file end by this much (manifest rounding; lhotse's default tolerance) and is clamped;
 a `duration_s` within this of the whole file counts as the whole file."""

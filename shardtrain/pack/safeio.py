@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import stat
 
-import fsspec
+from shardtrain import storage
 
 MAX_TRANSCRIPT_BYTES = 1 << 20
 """A transcript file (`x.txt`, `x.lab`) larger than 1 MiB is rejected ("too_large"): a real one is a few hundred
@@ -49,10 +49,6 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a regular file"
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
 def check_regular(path: str, limit: int | None = None) -> int:
@@ -87,9 +83,9 @@ def read_local_bounded(path: str, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_bounded(fs: fsspec.AbstractFileSystem, path: str, limit: int) -> bytes:
+def read_bounded(fs: storage.FileSystem, path: str, limit: int) -> bytes:
     """All bytes of `path` on `fs`, refusing anything but a regular file of at most `limit` bytes."""
-    if _is_local(fs):
+    if storage.fs_is_local(fs):
         return read_local_bounded(path, limit)
     info = fs.info(path)
     if info.get("type") not in ("file", None):

@@ -32,7 +32,7 @@ from shardtrain.pack.keys import sanitize_key
 from shardtrain.pack.shard_task import PlannedSample, error_reason
 
 if TYPE_CHECKING:
-    from shardtrain.pack.packer import PackConfig
+    from shardtrain.pack.config import PackConfig
     from shardtrain.pack.parts import SourcePart
 
 SAMPLE_OVERHEAD_BYTES = 2048  # two ustar headers + json + padding, for the size estimate only
@@ -73,8 +73,8 @@ def string_array(values: list[str]) -> pa.Array:
 
 def _kept(cfg: PackConfig, info) -> bool:
     """Whether the file's bytes will likely be stored unchanged (then its size is the best size estimate)."""
-    return cfg.keep_original or (info.codec, info.sample_rate_hz, info.channels) == (
-        cfg.codec, cfg.sample_rate_hz, cfg.channels)
+    a = cfg.audio
+    return a.keep_original or (info.codec, info.sample_rate_hz, info.channels) == (a.codec, a.sample_rate_hz, a.channels)
 
 
 def _probe_one(cfg: PackConfig, item):
@@ -113,7 +113,8 @@ def _estimate_bytes(cfg: PackConfig, info, duration_s: float, file_bytes: int) -
     if _kept(cfg, info) and file_bytes and info.duration_s > 0:
         est = file_bytes * min(1.0, duration_s / info.duration_s)
     else:
-        est = duration_s * cfg.sample_rate_hz * cfg.channels * 2 * ENCODE_RATIO[cfg.codec]
+        a = cfg.audio
+        est = duration_s * a.sample_rate_hz * a.channels * 2 * ENCODE_RATIO[a.codec]
     return int(est) + SAMPLE_OVERHEAD_BYTES
 
 
@@ -157,7 +158,7 @@ def sample_digest(s: PlannedSample, stamp: str = "") -> bytes:
 
 def _early_reject(x) -> dict | None:
     """Reject row for a source Reject or an empty transcript (decided without audio), else None."""
-    from shardtrain.pack.sources import Item
+    from shardtrain.pack.item import Item
 
     if not isinstance(x, Item):
         code, _, detail = str(x.reason).partition(": ")
@@ -193,7 +194,7 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
     `(Item, AudioInfo, duration_s, est_bytes)` (AudioInfo None for a late reject). Never raises for bad items.
     Cost: one header read (plus a stat for kept files) per item, `cfg.probe_threads` at a time."""
     from shardtrain.pack.parts import part_items
-    from shardtrain.pack.sources import Item
+    from shardtrain.pack.item import Item
 
     early: list[tuple[int, dict]] = []
     cands: list[Item] = []

@@ -22,7 +22,7 @@ from shardtrain.format.tar import ShardWriter
 
 if TYPE_CHECKING:  # the worker imports transcoding lazily (forkserver preload)
     from shardtrain.format.audio import AudioInfo
-    from shardtrain.pack.sources import Item
+    from shardtrain.pack.item import Item
     from shardtrain.pack.transcode import AudioTarget
 
 

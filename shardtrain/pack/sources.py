@@ -15,8 +15,6 @@ streamed line by line. Order is deterministic (sorted listings, manifest order) 
 from __future__ import annotations
 
 import csv
-import gzip
-import io
 import json
 import logging
 import os
@@ -25,9 +23,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import fsspec
-
 from shardtrain import storage
+from shardtrain.pack import corpora, metadata, vtt
+from shardtrain.pack.inputfs import audio_ref, input_fs, open_text, resolve_audio
+from shardtrain.pack.item import AUDIO_EXTENSIONS, Item, Reject, opt_str, split_lines, table_rows
 from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, InputFileError, read_bounded
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,6 @@ SOURCE_FORMATS = ("auto", "dir", "tsv", "csv", "jsonl", "librispeech", "lhotse",
                   "ljspeech", "vtt")
 """kaldi, hf and commonvoice are read by pack/corpora.py, ljspeech (and a folder's metadata.csv) by pack/metadata.py,
 vtt (recordings cut by WebVTT cues) by pack/vtt.py."""
-AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio files a "dir" source picks up (case-insensitive); anything else in the tree is ignored."""
 TRANSCRIPT_EXTENSIONS = (".txt", ".lab")
 """Transcript of a "dir" source's `x.flac`: `x.txt` or `x.lab` (HTK/Festival label text), case-insensitive, in
@@ -55,26 +53,6 @@ _KNOWN_KEYS = frozenset(_PATH_KEYS + _TEXT_KEYS + _SPEAKER_KEYS + _LANGUAGE_KEYS
 
 WHOLE_RECORDING_TOLERANCE_S = 0.001
 """A Lhotse supervision within this of the whole recording is emitted as the whole file (no cut)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Item:
-    """One utterance to pack: where its audio is and what is known about it without decoding."""
-
-    id: str
-    """Stable original id: relative path without extension, utterance id or supervision id."""
-    audio: str
-    """Local path or fsspec URL of the audio file."""
-    text: str | None
-    """Transcript; None when the source has none (an empty string is kept: the packer decides)."""
-    start_s: float = 0.0
-    """Segment start within the audio file."""
-    duration_s: float | None = None
-    """Segment length when the source says so (Lhotse supervision, manifest duration), else None."""
-    speaker: str | None = None
-    language: str | None = None
-    extra: tuple[tuple[str, Any], ...] = ()
-    """Extra manifest fields, JSON-able values, sorted by name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,53 +77,8 @@ class Columns:
                 raise ValueError(f"{where}: no column {col!r} ({flag}); it has {sorted(names)}")
 
 
-@dataclass(frozen=True, slots=True)
-class Reject:
-    """An input entry that cannot become an Item; `reason` is `code: details`, e.g. `missing_transcript: no x.txt`."""
-
-    id: str
-    path: str
-    reason: str
-
-
-def split_lines(text: str) -> list[str]:
-    """Lines of a line-oriented manifest: split at "\\n" only (a "\\r\\n" ending loses its "\\r"). Never
-    `str.splitlines()`, which also splits at U+2028, U+0085, form feeds and lone "\\r" that are part of a
-    transcript: the tail would become a bogus line and the transcript would be packed cut short."""
-    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
-
-
-# ---- filesystem helpers ---------------------------------------------------------------------------------------
-def _fs(url: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = storage.fs_and_path(url, storage_options)  # one way to open a URL, with the S3 tuning
-    return fs, path.rstrip("/") or path
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-
-
-def _ref(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """What goes into Item.audio: a plain path for local files (fast opens), the full URL otherwise."""
-    return path if _is_local(fs) else fs.unstrip_protocol(path)
-
-
-def _resolve(base_dir: str, audio: str, fs: fsspec.AbstractFileSystem) -> str:
-    """Resolve a manifest's audio path: URLs and absolute paths as given, relative ones against the manifest folder."""
-    if "://" in audio or audio.startswith("/"):
-        return audio
-    return _ref(fs, posixpath.normpath(posixpath.join(base_dir, audio)))
-
-
-def _open_text(fs: fsspec.AbstractFileSystem, path: str) -> io.TextIOBase:
-    raw = fs.open(path, "rb")
-    if path.endswith(".gz"):
-        raw = gzip.GzipFile(fileobj=raw)
-    return io.TextIOWrapper(raw, encoding="utf-8", newline="")
-
-
-def _first_json_record(fs: fsspec.AbstractFileSystem, path: str) -> dict | None:
-    with _open_text(fs, path) as f:
+def _first_json_record(fs: storage.FileSystem, path: str) -> dict | None:
+    with open_text(fs, path) as f:
         for line in f:
             if line.strip():
                 try:
@@ -173,9 +106,7 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     one audio file is "dir". Costs one small read for jsonl, a depth-2 glob for folders, and (only
     for "dir") a walk that stops at the first audio file.
     """
-    from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
-
-    fs, path = _fs(input, storage_options)
+    fs, path = input_fs(input, storage_options)
     looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
                   f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts or a "
                   "metadata.csv (Hugging Face audiofolder, LJSpeech), recordings with same-stem .vtt subtitles, a Kaldi "
@@ -198,18 +129,15 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
             return "lhotse" if ("supervisions" in rec or "recording" in rec) else "jsonl"
         raise ValueError(f"input {input!r} is a file of unknown type; expected {looked_for} "
                          "(or pass --source-format explicitly)")
-    from shardtrain.pack import metadata  # noqa: PLC0415 - metadata imports this module
 
     if _trans_files(fs, path):
         return "librispeech"
     table = metadata.metadata_file(fs, path)  # LJSpeech, Hugging Face audiofolder
     if table is not None:
         return table[1]
-    from shardtrain.pack import vtt  # noqa: PLC0415 - vtt imports this module
-
     if vtt.has_vtt(fs, path):
         return "vtt"
-    for _root, _dirs, files in (os.walk(path, followlinks=True) if _is_local_fs(fs) else fs.walk(path)):
+    for _root, _dirs, files in (os.walk(path, followlinks=True) if storage.fs_is_local(fs) else fs.walk(path)):
         if any(f.lower().endswith(AUDIO_EXTENSIONS) for f in files):
             return "dir"
     raise ValueError(f"input folder {input!r} holds no audio files; expected {looked_for}")
@@ -233,10 +161,9 @@ def iter_items(input: str, source_format: str = "auto", storage_options: dict | 
     csv/tsv/jsonl manifest, `audio_column` a manifest's audio path column, `delimiter` a csv/tsv table's field
     separator (Columns); `split` picks the split of a Hugging Face DatasetDict folder (required for one: ValueError
     listing its splits). A folder with a metadata.csv/.tsv/.jsonl is read through that table (pack/metadata.py)."""
-    from shardtrain.pack import metadata  # noqa: PLC0415 - metadata imports this module
 
     source_format = resolve_format(input, source_format, storage_options)
-    fs, path = _fs(input, storage_options)
+    fs, path = input_fs(input, storage_options)
     if not fs.exists(path):
         raise ValueError(f"input {input!r} does not exist")
     columns = Columns(audio=audio_column, text=text_column, delimiter=delimiter)
@@ -259,11 +186,8 @@ def iter_items(input: str, source_format: str = "auto", storage_options: dict | 
     if source_format == "librispeech":
         return _iter_librispeech(fs, path)
     if source_format == "vtt":
-        from shardtrain.pack import vtt  # noqa: PLC0415 - vtt imports this module
-
         return vtt.iter_vtt(fs, path)
     if source_format in ("kaldi", "hf", "commonvoice"):
-        from shardtrain.pack import corpora  # noqa: PLC0415 - corpora imports this module
 
         if source_format == "kaldi":
             return corpora.iter_kaldi(fs, path)
@@ -274,7 +198,7 @@ def iter_items(input: str, source_format: str = "auto", storage_options: dict | 
 
 
 # ---- dir ------------------------------------------------------------------------------------------------------
-def _read_transcript(fs: fsspec.AbstractFileSystem, txt: str, item_id: str, audio: str) -> str | Reject:
+def _read_transcript(fs: storage.FileSystem, txt: str, item_id: str, audio: str) -> str | Reject:
     """The transcript in `txt`, read bounded (safeio: regular files of at most MAX_TRANSCRIPT_BYTES only, so a
     FIFO or an endless file is a reject, not a hang), UTF-8 with an optional BOM, stripped."""
     name = posixpath.basename(txt)
@@ -292,7 +216,7 @@ def _read_transcript(fs: fsspec.AbstractFileSystem, txt: str, item_id: str, audi
         return Reject(item_id, audio, f"bad_transcript_encoding: {name} is not UTF-8 ({e.reason} at byte {e.start})")
 
 
-def _iter_dir(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reject]:
+def _iter_dir(fs: storage.FileSystem, root: str) -> Iterator[Item | Reject]:
     """Audio files under `root` with same-stem `.txt` transcripts; id = relative path without extension.
 
     Hidden files (leading ".", e.g. macOS `._x.flac`) are skipped. When one folder holds two audio files with the
@@ -301,29 +225,25 @@ def _iter_dir(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Rejec
     return _dir_items(fs, _dir_entries(fs, root))
 
 
-def _is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-
-
-def _find(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+def _find(fs: storage.FileSystem, root: str) -> list[str]:
     """Every file below `root`, as `fs.find` lists it. On local disk through os.walk (names only): fsspec's local
     find stats every entry, ~0.1 ms each in Python (0.3 s of a 3,000-file pack's 2 s)."""
-    if not _is_local_fs(fs):
+    if not storage.fs_is_local(fs):
         return list(fs.find(root))
     return [posixpath.join(d.replace(os.sep, "/"), f) for d, _, names in os.walk(root, followlinks=True) for f in names]
 
 
-def _trans_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+def _trans_files(fs: storage.FileSystem, root: str) -> list[str]:
     """LibriSpeech chapter transcripts `<root>/<speaker>/<chapter>/*.trans.txt`; on local disk by the standard
     library's glob (names only, as `_find`)."""
-    if not _is_local_fs(fs):
+    if not storage.fs_is_local(fs):
         return list(fs.glob(posixpath.join(root, "*", "*", "*.trans.txt")))
     import glob  # noqa: PLC0415
 
     return [p.replace(os.sep, "/") for p in glob.glob(os.path.join(glob.escape(root), "*", "*", "*.trans.txt"))]
 
 
-def _dir_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, str, str | None]]:
+def _dir_entries(fs: storage.FileSystem, root: str) -> list[tuple[str, str, str | None]]:
     """The listing half of a "dir" source (one `find`): (audio path, id, transcript path or None) per file.
 
     The transcript of `x.flac` is `x` + one of TRANSCRIPT_EXTENSIONS matched case-insensitively (`x.txt`, `x.TXT`,
@@ -353,11 +273,11 @@ def _dir_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, st
     return entries
 
 
-def _dir_items(fs: fsspec.AbstractFileSystem, entries: Iterable[tuple[str, str, str | None]]
+def _dir_items(fs: storage.FileSystem, entries: Iterable[tuple[str, str, str | None]]
                ) -> Iterator[Item | Reject]:
     """The reading half of a "dir" source: one transcript read per entry (a request each on object storage)."""
     for p, rel, txt in entries:
-        ref = _ref(fs, p)
+        ref = audio_ref(fs, p)
         if txt is None:
             yield Reject(rel, ref, f"missing_transcript: no {posixpath.basename(posixpath.splitext(p)[0])}"
                                    f"{'/'.join(TRANSCRIPT_EXTENSIONS)}")
@@ -374,11 +294,7 @@ def _pick(rec: dict[str, Any], keys: Iterable[str]) -> Any:
     return None
 
 
-def _opt_str(v: Any) -> str | None:
-    return None if v is None or v == "" else str(v)
-
-
-def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.AbstractFileSystem,
+def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: storage.FileSystem,
                     has_offset_field: bool, columns: Columns = Columns()) -> Item | Reject:
     """One manifest record (TSV/CSV row or JSON object) -> Item. Known fields match case-insensitively; other
     fields go to `extra` under their original names.
@@ -392,7 +308,7 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.A
     if audio is None:
         return Reject(where, where, f"missing_path: no {'/'.join(path_keys)} field (name it with --audio-column)")
     audio = str(audio)
-    ref = _resolve(base_dir, audio, fs)
+    ref = resolve_audio(base_dir, audio, fs)
     try:
         duration = _pick(low, _DURATION_KEYS)
         duration_s = None if duration is None else float(duration)
@@ -419,31 +335,17 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: fsspec.A
     known = _KNOWN_KEYS.union(path_keys, text_keys)
     extra = tuple(sorted((str(k), v) for k, v in rec.items() if str(k).lower() not in known))
     return Item(id=str(item_id), audio=ref, text=None if text is None else str(text), start_s=start_s,
-                duration_s=duration_s, speaker=_opt_str(_pick(low, _SPEAKER_KEYS)),
-                language=_opt_str(_pick(low, _LANGUAGE_KEYS)), extra=extra)
+                duration_s=duration_s, speaker=opt_str(_pick(low, _SPEAKER_KEYS)),
+                language=opt_str(_pick(low, _LANGUAGE_KEYS)), extra=extra)
 
 
-def table_rows(reader: Any, path: str, header: list[str]) -> Iterator[tuple[str, dict] | Reject]:
-    """(where, {column: value}) per non-blank row of a `csv.reader`; a row with the wrong field count is a Reject
-    (the reader's line_num names it)."""
-    for row in reader:
-        where = f"{path}:{reader.line_num}"
-        if not any(c.strip() for c in row):
-            continue
-        if len(row) != len(header):
-            yield Reject(where, where, f"bad_row: line {reader.line_num} has {len(row)} fields, "
-                                       f"header has {len(header)}")
-            continue
-        yield where, dict(zip(header, row))
-
-
-def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str, columns: Columns = Columns()
+def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Columns = Columns()
                 ) -> Iterator[Item | Reject]:
     """Header row + one row per utterance. TSV is read without quote handling (transcripts contain `"`), CSV with
     standard quoting. Column names are matched case-insensitively."""
     base = posixpath.dirname(path)
     quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    with _open_text(fs, path) as f:
+    with open_text(fs, path) as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         header = next(reader, None)
         if header is None:
@@ -455,9 +357,9 @@ def _iter_table(fs: fsspec.AbstractFileSystem, path: str, delimiter: str, column
             yield x if isinstance(x, Reject) else _record_to_item(x[1], x[0], base, fs, has_offset, columns)
 
 
-def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
+def _json_lines(fs: storage.FileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
     """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject."""
-    with _open_text(fs, path) as f:
+    with open_text(fs, path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -473,7 +375,7 @@ def _json_lines(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[str,
             yield where, rec
 
 
-def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str, columns: Columns = Columns()) -> Iterator[Item | Reject]:
+def _iter_jsonl(fs: storage.FileSystem, path: str, columns: Columns = Columns()) -> Iterator[Item | Reject]:
     """One JSON object per line (NeMo keys audio_filepath/text/duration/offset accepted); blank lines skipped."""
     base = posixpath.dirname(path)
     for got in _json_lines(fs, path):
@@ -486,12 +388,12 @@ def _iter_jsonl(fs: fsspec.AbstractFileSystem, path: str, columns: Columns = Col
 
 
 # ---- LibriSpeech ----------------------------------------------------------------------------------------------
-def _librispeech_transcripts(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+def _librispeech_transcripts(fs: storage.FileSystem, root: str) -> list[str]:
     """The listing half of a LibriSpeech source: its `.trans.txt` files (one per chapter), sorted."""
     return sorted(_trans_files(fs, root))
 
 
-def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: list[str] | None = None
+def _iter_librispeech(fs: storage.FileSystem, root: str, transcripts: list[str] | None = None
                       ) -> Iterator[Item | Reject]:
     """`<spk>/<chapter>/<spk>-<chapter>-<utt>.flac` + `<spk>-<chapter>.trans.txt` (lines `<utt-id> <TEXT>`).
 
@@ -507,11 +409,11 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: lis
         try:
             lines = split_lines(read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8"))
         except UnicodeDecodeError as e:
-            yield Reject(posixpath.basename(trans), _ref(fs, trans), f"bad_transcript_encoding: {e}")
+            yield Reject(posixpath.basename(trans), audio_ref(fs, trans), f"bad_transcript_encoding: {e}")
             continue
         except OSError as e:  # unreadable: every utterance of the chapter is rejected with the reason
             for utt in sorted(audio):
-                yield Reject(utt, _ref(fs, audio[utt]), f"unreadable_transcript: {posixpath.basename(trans)}: "
+                yield Reject(utt, audio_ref(fs, audio[utt]), f"unreadable_transcript: {posixpath.basename(trans)}: "
                                                         f"{type(e).__name__}: {e}")
             continue
         seen: set[str] = set()
@@ -521,12 +423,14 @@ def _iter_librispeech(fs: fsspec.AbstractFileSystem, root: str, transcripts: lis
             utt, _, text = line.strip().partition(" ")
             seen.add(utt)
             if utt not in audio:
-                yield Reject(utt, _ref(fs, trans), f"missing_audio: no {utt}.flac next to {posixpath.basename(trans)}")
+                yield Reject(utt, audio_ref(fs, trans),
+                             f"missing_audio: no {utt}.flac next to {posixpath.basename(trans)}")
                 continue
-            yield Item(id=utt, audio=_ref(fs, audio[utt]), text=text.strip(), speaker=speaker, language="en",
+            yield Item(id=utt, audio=audio_ref(fs, audio[utt]), text=text.strip(), speaker=speaker, language="en",
                        extra=(("chapter", chapter),))
         for utt in sorted(set(audio) - seen):
-            yield Reject(utt, _ref(fs, audio[utt]), f"missing_transcript: {utt} not in {posixpath.basename(trans)}")
+            yield Reject(utt, audio_ref(fs, audio[utt]),
+                         f"missing_transcript: {utt} not in {posixpath.basename(trans)}")
 
 
 # ---- Lhotse CutSet --------------------------------------------------------------------------------------------
@@ -587,11 +491,11 @@ def _lhotse_cut_items(cut: dict, where: str, seen: set[str]) -> Iterator[Item | 
         if sup.get("gender") is not None:
             extra["gender"] = sup["gender"]
         yield Item(id=item_id, audio=audio, text=sup.get("text"), start_s=0.0 if whole else start_s,
-                   duration_s=None if whole else duration_s, speaker=_opt_str(sup.get("speaker")),
-                   language=_opt_str(sup.get("language")), extra=tuple(sorted(extra.items())))
+                   duration_s=None if whole else duration_s, speaker=opt_str(sup.get("speaker")),
+                   language=opt_str(sup.get("language")), extra=tuple(sorted(extra.items())))
 
 
-def _iter_lhotse(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Item | Reject]:
+def _iter_lhotse(fs: storage.FileSystem, path: str) -> Iterator[Item | Reject]:
     """Stream a CutSet `.jsonl[.gz]` with plain json (no lhotse import: faster, and never evaluates anything)."""
     seen: set[str] = set()
     for got in _json_lines(fs, path):

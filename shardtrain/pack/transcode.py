@@ -20,77 +20,20 @@ from __future__ import annotations
 
 import io
 import logging
-from dataclasses import dataclass
 from typing import IO
 
 import numpy as np
 import soundfile as sf
 
-from shardtrain.pack.sources import Item
 from shardtrain.format.audio import FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, FloatScan, decoded_frames
 from shardtrain.format.audio import float_peak, float_scan, float_to_int16
 from shardtrain.format.codecs import CODECS, SF_FORMAT
-from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, MP3_RATES_HZ, open_audio, read_audio_bytes
-from shardtrain.pack.probe import OPUS_RATES_HZ
+from shardtrain.pack.item import Item
+from shardtrain.pack.config import AudioTarget, channel_index  # noqa: F401 (AudioTarget: re-exported)
+from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, open_audio, read_audio_bytes
 from shardtrain.pack.tailcheck import check_tail, seek_tail
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AudioTarget:
-    """How audio is stored in shards."""
-
-    codec: str = "flac"
-    """Stored codec: flac (16-bit), wav (PCM_16), opus (Ogg/Opus) or mp3."""
-    sample_rate_hz: int = 16000
-    """Stored sample rate; opus needs 8000/12000/16000/24000/48000."""
-    channels: int = 1
-    """Stored channels; 1 downmixes by averaging."""
-    keep_original: bool = False
-    """Keep whole files in any shard codec byte for byte, whatever their rate and channels (segments and other
-    codecs are still transcoded to this target)."""
-    verify_decode: bool = True
-    """Decode kept-original files fully so a truncated file is rejected here, not in the training loader
-    (FLAC: ~2 ms per 10 s of audio). False still checks that the content reaches the length the header claims (tailcheck: ~0.05 ms)."""
-    channel_policy: str = "mix"
-    """How a multi-channel input becomes the mono a 1-channel target stores (`--channels-policy`): "mix" averages
-    the channels (a recording with speech on one side only loses 6 dB), "first" keeps channel 0, "<index>" keeps
-    that channel (an input with fewer channels is rejected, `missing_channel`). Picking a channel copies its
-    16-bit samples exactly when no resampling is needed."""
-    max_clipped_share: float = 0.01
-    """A float source with more than this share of its samples beyond full scale (|x| > 1.0) is rejected
-    (`clipped_audio`); fewer are clipped with a warning. 1%: a normalised file's overs (resampling, a limiter) are
-    far rarer; integer-scaled floats put nearly every sample over."""
-
-    def __post_init__(self) -> None:
-        channel_index(self.channel_policy)  # validates
-        if self.codec not in CODECS:
-            raise ValueError(f"audio codec (--codec) must be one of {CODECS}, got {self.codec!r}")
-        if self.sample_rate_hz <= 0:
-            raise ValueError(f"--sample-rate must be > 0, got {self.sample_rate_hz}")
-        if not 0.0 <= self.max_clipped_share <= 1.0:
-            raise ValueError(f"max_clipped_share must be in [0, 1], got {self.max_clipped_share}")
-        if self.codec == "opus" and self.sample_rate_hz not in OPUS_RATES_HZ:
-            raise ValueError(f"--sample-rate {self.sample_rate_hz} is not allowed with opus; use one of "
-                             f"{OPUS_RATES_HZ}")
-        if self.codec == "mp3" and self.sample_rate_hz not in MP3_RATES_HZ:
-            raise ValueError(f"--sample-rate {self.sample_rate_hz} is not allowed with mp3; use one of "
-                             f"{MP3_RATES_HZ}")
-        if not 1 <= self.channels <= (2 if self.codec in ("opus", "mp3") else 8):
-            raise ValueError(f"--channels must be 1..{2 if self.codec in ('opus', 'mp3') else 8} for "
-                             f"{self.codec}, got {self.channels}")
-
-
-def channel_index(policy: str) -> int | None:
-    """None for "mix", else the channel a policy keeps ("first" = 0, "<index>"); ValueError names the flag."""
-    if policy == "mix":
-        return None
-    if policy == "first":
-        return 0
-    if policy.isdigit() and policy.isascii():
-        return int(policy)
-    raise ValueError(f"--channels-policy must be mix, first or a channel index (0, 1, ...), got {policy!r}")
 
 
 # ---- encode ---------------------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ import posixpath
 import re
 from collections.abc import Iterator
 
-import fsspec
-
 from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
-from shardtrain.pack.sources import AUDIO_EXTENSIONS, Item, Reject, _is_local_fs, _ref
+from shardtrain import storage
+from shardtrain.pack.inputfs import audio_ref
+from shardtrain.pack.item import AUDIO_EXTENSIONS, Item, Reject
 
 _TIME = r"(?:(\d+):)?([0-5]\d):([0-5]\d)\.(\d{3})"
 _TIMING = re.compile(rf"^{_TIME}\s+-->\s+{_TIME}(?:\s+.*)?$")
@@ -63,20 +63,20 @@ def parse_cues(text: str) -> list[tuple[int, float | None, float | None, str, st
     return cues
 
 
-def has_vtt(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+def has_vtt(fs: storage.FileSystem, path: str) -> bool:
     """Whether the folder holds a `.vtt` beside a same-stem audio file (names only)."""
     names = _names(fs, path)
     stems = {n.rsplit(".", 1)[0] for n in names if n.lower().endswith(AUDIO_EXTENSIONS)}
     return any(n.lower().endswith(".vtt") and n[:-4] in stems for n in names)
 
 
-def _names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    if _is_local_fs(fs):
+def _names(fs: storage.FileSystem, path: str) -> list[str]:
+    if storage.fs_is_local(fs):
         return sorted(os.listdir(path))
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
 
 
-def iter_vtt(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reject]:
+def iter_vtt(fs: storage.FileSystem, root: str) -> Iterator[Item | Reject]:
     """One Item per cue of every `<name>.vtt` in `root`, cut from `<name>.<audio ext>`; by name, then cue order."""
     names = _names(fs, root)
     audio = {}
@@ -95,7 +95,7 @@ def iter_vtt(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[Item | Reject
         except (InputFileError, UnicodeDecodeError, ValueError) as e:
             yield Reject(stem, vtt, f"bad_file: {e}")
             continue
-        yield from _cue_items(stem, _ref(fs, posixpath.join(root, audio[stem])), vtt, cues)
+        yield from _cue_items(stem, audio_ref(fs, posixpath.join(root, audio[stem])), vtt, cues)
 
 
 def _cue_items(stem: str, ref: str, vtt: str, cues: list) -> Iterator[Item | Reject]:

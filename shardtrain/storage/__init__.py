@@ -13,14 +13,15 @@
 
 Imports nothing from the rest of shardtrain. `from shardtrain import storage; storage.read_range(...)` is the API.
 """
-from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, StorageUnavailable,
-                                   atomic_write_bytes, commit_local_file, copy_into, credentials_error, exists,
-                                   fill_range, fs_and_path, is_local, is_transient, iter_range, join, ls_names,
-                                   makedirs, open_ranged, presign, read_bytes, read_range, remove, size, sync)
+from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, FileSystem,
+                                   StorageUnavailable, atomic_write_bytes, commit_local_file, copy_into,
+                                   credentials_error, exists, fill_range, fs_and_path, fs_is_local, is_local,
+                                   is_transient, iter_range, join, ls_names, makedirs, open_ranged, presign,
+                                   read_bytes, read_range, remove, size, sync)
 from shardtrain.storage.redact import StorageOptions
 from shardtrain.storage.s3http import ObjectChanged
 
-__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "ObjectChanged", "StorageOptions", "StorageUnavailable",
-           "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range",
-           "fs_and_path", "is_local", "is_transient", "iter_range", "join", "ls_names", "makedirs", "open_ranged",
-           "presign", "read_bytes", "read_range", "remove", "size", "sync"]
+__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "FileSystem", "ObjectChanged", "StorageOptions",
+           "StorageUnavailable", "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error",
+           "exists", "fill_range", "fs_and_path", "fs_is_local", "is_local", "is_transient", "iter_range", "join",
+           "ls_names", "makedirs", "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync"]

@@ -34,7 +34,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeAlias
 
 import fsspec
 import fsspec.implementations.local  # noqa: F401  (imported on first use otherwise: ~25 ms of the first batch)
@@ -116,6 +116,15 @@ def _endpoint_checked(url: str, storage_options: dict | None) -> None:
             raise EndpointUnreachable(f"{url}: {message}", url)
         time.sleep(0.5)
     _endpoint_ok.add(okey)
+
+
+FileSystem: TypeAlias = fsspec.AbstractFileSystem
+"""What `fs_and_path` returns: rooms above storage name the type through here and never import fsspec."""
+
+
+def fs_is_local(fs: FileSystem) -> bool:
+    """True for a local-disk filesystem (`fs_and_path` of a plain path or `file://` URL): fast opens, os.walk."""
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
 def is_local(url: str | os.PathLike) -> bool:

@@ -14,7 +14,7 @@ from shardtrain import cli
 from shardtrain import storage
 from shardtrain.format.manifest import open_dataset
 from shardtrain.pack.verify import inspect, verify
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 from shardtrain.pack.shard_task import PackError
 from shardtrain import faults
 from shardtrain.testing.proxy import DropProxy
@@ -69,7 +69,7 @@ def test_pack_to_s3_equals_local_and_verifies(s3, s3_bucket, tone_corpus, tmp_pa
     assert cli.main(["inspect", url, "--verify", "--no-progress", *_so_flags(so)]) == 1
 
     with pytest.raises(PackError, match="different dataset"):
-        pack(_cfg(tone_corpus, url, so, codec="wav"))
+        pack(_cfg(tone_corpus, url, so, audio=AudioTarget(codec="wav")))
 
 
 def test_resume_on_s3_after_killed_worker(s3, s3_bucket, tone_corpus):

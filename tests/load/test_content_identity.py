@@ -12,7 +12,7 @@ from shardtrain.load.config import StreamConfig
 from shardtrain.load.errors import StreamError
 from shardtrain.load.loader import build_loader
 from shardtrain.load.plan import BucketConfig
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 from shardtrain.testing.corpus import make_corpus
 from shardtrain.world import World
 
@@ -25,13 +25,14 @@ def repack_changed(corpus, out: str, storage_options=None) -> None:
     path = corpus / "utt-00003.wav"
     x, rate = sf.read(path, dtype="int16")
     sf.write(path, (-x).astype(np.int16), rate, subtype="PCM_16")
-    pack(PackConfig(input=str(corpus), output=out, codec="wav", max_samples_per_shard=6, overwrite=True,
-                    progress=False, storage_options=storage_options))
+    pack(PackConfig(input=str(corpus), output=out, audio=AudioTarget(codec="wav"), max_samples_per_shard=6,
+                    overwrite=True, progress=False, storage_options=storage_options))
 
 
 def pack_and_save_state(tmp_path, out: str, storage_options=None):
     corpus = make_corpus(tmp_path / "corpus", DURS, fmt="wav", seed=3)
-    pack(PackConfig(input=str(corpus), output=out, codec="wav", max_samples_per_shard=6, progress=False,
+    pack(PackConfig(input=str(corpus), output=out, audio=AudioTarget(codec="wav"), max_samples_per_shard=6,
+                    progress=False,
                     storage_options=storage_options))
     loader = build_loader(out, world=World(), seed=0, cfg=CFG, storage_options=storage_options)
     it = iter(loader)

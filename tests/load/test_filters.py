@@ -11,7 +11,7 @@ from shardtrain.load.config import StreamConfig
 from shardtrain.load.errors import StreamError
 from shardtrain.load.loader import build_loader
 from shardtrain.load.plan import BucketConfig
-from shardtrain.load.planner import make_planner
+from shardtrain.load.mixplan import make_planner
 from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.testing.corpus import make_corpus
 from shardtrain.train.overrides import apply_override

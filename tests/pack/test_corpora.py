@@ -12,7 +12,7 @@ import soundfile as sf
 
 from shardtrain import storage
 from shardtrain.format.manifest import open_dataset
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 from shardtrain.pack.sources import Item, Reject, detect_format, iter_items
 
 
@@ -77,7 +77,7 @@ def test_kaldi_data_dir_with_segments_ark_and_pipes(tmp_path):
                                   "spk2-recC-0000 spk2\nspk3-recD-0000 spk3\n")
     assert detect_format(str(data)) == "kaldi"
     out = tmp_path / "ds"
-    res = do_pack(data, out, keep_original=False)
+    res = do_pack(data, out, audio=AudioTarget(keep_original=False))
     assert not ran.exists()  # the shell command in wav.scp was never run
     got = packed(str(out))
     want = {"spk1-recA-0000": rec_a[:20000], "spk1-recA-0001": rec_a[20000:], "spk2-recB-0000": rec_b[8000:24000],

@@ -12,7 +12,7 @@ import soundfile as sf
 
 from shardtrain import storage
 from shardtrain.format.manifest import open_dataset
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 
 
 def _tone(path: Path, rate_hz: int, seconds: float = 1.0) -> np.ndarray:
@@ -37,7 +37,8 @@ def test_sox_resampling_pipes(tmp_path):
                                   f"down {down} |\n")
     (data / "text").write_text("tel A TONE\nup A TONE AGAIN\ndown A WIDE TONE\n")
     out = tmp_path / "ds"
-    res = pack(PackConfig(input=str(data), output=str(out), workers=1, progress=False, keep_original=False))
+    res = pack(PackConfig(input=str(data), output=str(out), workers=1, progress=False,
+                          audio=AudioTarget(keep_original=False)))
     assert res.samples == 2
     rej = {json.loads(x)["id"]: json.loads(x)["reason"] for x in (out / "rejects.jsonl").read_text().split("\n") if x}
     assert list(rej) == ["down"] and rej["down"] == "unsupported_pipe"

@@ -21,7 +21,7 @@ from shardtrain.format import indexread, limits
 from shardtrain.format.manifest import open_dataset
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import build_loader
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 from shardtrain.pack.verify import verify
 from shardtrain.world import World
 
@@ -91,7 +91,7 @@ def _level_corpus(root: Path, resampled: bool) -> dict[str, float]:
 def test_every_format_at_its_true_level_through_pack_verify_and_loader(tmp_path, keep):
     levels = _level_corpus(tmp_path / "src", resampled=not keep)
     out = tmp_path / "ds"
-    r = _pack(tmp_path / "src" / "manifest.tsv", out, keep_original=keep)
+    r = _pack(tmp_path / "src" / "manifest.tsv", out, audio=AudioTarget(keep_original=keep))
     assert r.samples == len(levels) and r.rejects == 0, r.rejects_by_reason
     assert verify(open_dataset(str(out)), progress=False) == []
     int16, _ = _load(out, "int16")
@@ -126,7 +126,7 @@ def test_non_finite_and_mis_scaled_float_audio_are_rejected_with_their_key(tmp_p
         out = tmp_path / f"ds{keep}"
         caplog.clear()
         with caplog.at_level("WARNING", logger="shardtrain.pack.transcode"):
-            r = _pack(src, out, keep_original=keep, decode_check=not keep)
+            r = _pack(src, out, audio=AudioTarget(keep_original=keep, verify_decode=not keep))
         assert any("past full scale" in m and "over.wav" in m for m in caplog.messages), caplog.messages
         rej = _rejects(out)
         assert rej["nan32"]["reason"] == rej["inf64"]["reason"] == "non_finite_audio"
@@ -167,7 +167,7 @@ def test_loader_skips_non_finite_float_member_with_its_key(tmp_path, dtype):
     for i in range(4):
         _float_wav(src, f"f{i}", _signal(1.0 + 0.1 * i, seed=i))
     out = tmp_path / "ds"
-    assert _pack(src, out, keep_original=True).samples == 4
+    assert _pack(src, out, audio=AudioTarget(keep_original=True)).samples == 4
     _poison_float_member(out, "f2")
     problems = verify(open_dataset(str(out)), progress=False)
     assert [(p.key, p.kind) for p in problems] == [("f2", "non_finite_audio")]

@@ -17,7 +17,7 @@ import webdataset as wds
 
 from shardtrain import cli
 from shardtrain.format.manifest import open_dataset
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 from shardtrain.pack.shard_task import PackError
 from shardtrain import faults
 from shardtrain.pack.keys import assign_keys, sanitize_key
@@ -133,10 +133,10 @@ def test_transcodes_rates_channels_and_codecs(tmp_path):
     rows = pq.read_table(tmp_path / "flac" / "index.parquet").to_pylist()
     assert r.samples == 2 and {(x["codec"], x["sample_rate_hz"], x["channels"]) for x in rows} == {("flac", 16000, 1)}
     assert [x["num_samples"] for x in rows] == [8000, 16000]
-    _pack(a, tmp_path / "opus", codec="opus")
+    _pack(a, tmp_path / "opus", audio=AudioTarget(codec="opus"))
     for s in _read_wds(tmp_path / "opus"):
         assert "opus" in s and sf.info(io.BytesIO(s["opus"])).samplerate == 16000
-    _pack(a, tmp_path / "kept", keep_original=True)
+    _pack(a, tmp_path / "kept", audio=AudioTarget(keep_original=True))
     kept = _read_wds(tmp_path / "kept")
     assert [s["wav"] for s in kept] == [(a / f"utt-0000{i}.wav").read_bytes() for i in range(2)]
     m = make_corpus(tmp_path / "m", [1.0], fmt="mp3", seed=4)
@@ -379,7 +379,6 @@ def _one_shard_task(corpus: Path, out: Path, defer_sync: bool):
     from shardtrain.pack.probe import probe
     from shardtrain.pack.shard_task import PlannedSample, ShardTask
     from shardtrain.pack.sources import Item
-    from shardtrain.pack.transcode import AudioTarget
 
     samples = []
     for i, path in enumerate(sorted(corpus.glob("*.flac"))[:3]):

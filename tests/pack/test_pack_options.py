@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from conftest import dataset_sha256s
+
 from shardtrain import cli
 from shardtrain.format.manifest import open_dataset
-from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.pack.packer import AudioTarget, PackConfig, pack
 from shardtrain.pack.shard_task import PackError
 from shardtrain.pack.sources import detect_format
 from shardtrain.testing.corpus import make_corpus, synth_wave
@@ -56,18 +58,18 @@ def one_sided(tmp_path) -> Path:
 def test_channels_policy_first_keeps_the_level_mix_halves_it(tmp_path, one_sided):
     left = sf.read(one_sided / "a.wav", dtype="int16")[0][:, 0]
     _pack(one_sided, tmp_path / "mix")
-    _pack(one_sided, tmp_path / "first", channels_policy="first")
-    _pack(one_sided, tmp_path / "idx1", channels_policy="1")
+    _pack(one_sided, tmp_path / "first", audio=AudioTarget(channel_policy="first"))
+    _pack(one_sided, tmp_path / "idx1", audio=AudioTarget(channel_policy="1"))
     mix, first, idx1 = (_audio(tmp_path / n)["a"] for n in ("mix", "first", "idx1"))
     assert np.array_equal(first, left)  # exact: a picked channel is copied as int16
     rms = lambda x: float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))  # noqa: E731
     assert rms(mix) == pytest.approx(rms(left) / 2, rel=0.01)  # the 6 dB an average loses
     assert not idx1.any()
     with pytest.raises(PackError, match="no utterance accepted .* missing_channel x1"):  # nothing left: no dataset
-        _pack(one_sided, tmp_path / "idx2", channels_policy="2")
+        _pack(one_sided, tmp_path / "idx2", audio=AudioTarget(channel_policy="2"))
     assert not (tmp_path / "idx2" / "manifest.json").exists()
     with pytest.raises(ValueError, match="--channels-policy"):
-        PackConfig(input="x", output="y", channels_policy="left")
+        PackConfig(input="x", output="y", audio=AudioTarget(channel_policy="left"))
 
 
 def test_channels_policy_and_min_duration_in_cli_help(capsys):
@@ -140,3 +142,22 @@ def test_dataset_dict_detected_and_split_required(tmp_path):
     assert cli.main(["pack", str(tmp_path / "dd"), str(tmp_path / "cli"), "--split", "test", "--no-progress"]) == 0
     assert [x["text"] for x in _rows(tmp_path / "cli").values()] == ["drei"]
     assert cli.main(["pack", str(tmp_path / "dd"), str(tmp_path / "cli2"), "--no-progress"]) == 2
+
+
+def test_audio_flags_reach_the_nested_audio_target_and_the_manifest_as_before(tmp_path):
+    """The CLI's audio flags build PackConfig.audio: the same shards, index and manifest as PackConfig(audio=...)
+    in Python, and the manifest records the options under the names (and the fingerprint) packs always had."""
+    src = make_corpus(tmp_path / "src", [0.5, 1.0, 0.7], sample_rate_hz=22050, fmt="wav", channels=2, seed=5)
+    flags = ["--codec", "wav", "--sample-rate", "8000", "--channels", "1", "--channels-policy", "first",
+             "--no-decode-check", "--no-progress"]
+    assert cli.main(["pack", str(src), str(tmp_path / "cli"), *flags]) == 0
+    audio = AudioTarget(codec="wav", sample_rate_hz=8000, channels=1, channel_policy="first", verify_decode=False)
+    pack(PackConfig(input=str(src), output=str(tmp_path / "api"), audio=audio, progress=False))
+    assert dataset_sha256s(tmp_path / "cli") == dataset_sha256s(tmp_path / "api")
+    options = json.loads((tmp_path / "cli" / "manifest.json").read_text())["options"]
+    assert options == {"input": str(src), "codec": "wav", "sample_rate_hz": 8000, "channels": 1,
+                       "keep_original": False, "decode_check": False, "channels_policy": "first",
+                       "target_shard_mb": 256.0, "max_samples_per_shard": None, "min_duration_s": 0.2,
+                       "max_duration_s": None, "source_format": "auto"}
+    with pytest.raises(ValueError, match="--sample-rate 22050 is not allowed with opus"):
+        PackConfig(input="x", output="y", audio=AudioTarget(codec="opus", sample_rate_hz=22050))

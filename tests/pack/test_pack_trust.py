@@ -93,7 +93,7 @@ def test_lying_headers_rejected_per_item_and_dataset_verifies(tmp_path, decode_c
     _set_flac_total_samples(src / "utt-00001.flac", 2 * 17600)  # 1.1 s file claiming 2.2 s
     cut = src / "utt-00002.flac"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 2 // 3])
-    r = _pack_within(src, tmp_path / "out", decode_check=decode_check)
+    r = _pack_within(src, tmp_path / "out", audio=AudioTarget(verify_decode=decode_check))
     rej = _rejects(tmp_path / "out")
     assert r.samples == 2 and set(rej) == {"utt-00001", "utt-00002"}
     assert {x["reason"] for x in rej.values()} <= {"truncated_audio", "unreadable_audio"}
@@ -129,7 +129,7 @@ def test_huge_claimed_length_never_allocates(tmp_path):
 def test_tail_check_keeps_honest_files_byte_for_byte(tmp_path):
     """--no-decode-check still stores an honest kept file unchanged (the tail check reads, never rewrites)."""
     src = make_corpus(tmp_path / "c", [0.35, 2.0], seed=5)
-    r = _pack_within(src, tmp_path / "out", decode_check=False)
+    r = _pack_within(src, tmp_path / "out", audio=AudioTarget(verify_decode=False))
     assert r.samples == 2 and r.rejects == 0
     ds = open_dataset(str(tmp_path / "out"))
     rows = ds.read_index(["key", "num_samples"]).to_pylist()

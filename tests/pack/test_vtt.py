@@ -52,7 +52,7 @@ def test_vtt_folder_packs_one_sample_per_cue(tmp_path):
     (src / "orphan.vtt").write_text("WEBVTT\n\n00:00.000 --> 00:01.000\nno audio\n", encoding="utf-8")
     assert detect_format(str(src)) == "vtt"
     out = tmp_path / "ds"
-    res = do_pack(src, out, keep_original=False)
+    res = do_pack(src, out)
     got = packed(str(out))
     want = {"talk-00000": rec[:20000], "talk-00001": rec[20000:48000], "talk-00004": rec[64000:88000]}
     assert sorted(got) == sorted(want) and res.samples == 3

@@ -1,0 +1,70 @@
+"""What every input reader yields (sources, corpora, metadata): `Item` (one utterance to pack) or `Reject` (an
+entry that cannot become one, with a reason code), and the small line/row helpers the readers share.
+
+Plain frozen dataclasses and pure functions: no I/O, no imports from the rest of pack (so every reader can import
+this module without an import circle).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One utterance to pack: where its audio is and what is known about it without decoding."""
+
+    id: str
+    """Stable original id: relative path without extension, utterance id or supervision id."""
+    audio: str
+    """Local path or fsspec URL of the audio file."""
+    text: str | None
+    """Transcript; None when the source has none (an empty string is kept: the packer decides)."""
+    start_s: float = 0.0
+    """Segment start within the audio file."""
+    duration_s: float | None = None
+    """Segment length when the source says so (Lhotse supervision, manifest duration), else None."""
+    speaker: str | None = None
+    language: str | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Extra manifest fields, JSON-able values, sorted by name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """An input entry that cannot become an Item; `reason` is `code: details`, e.g. `missing_transcript: no x.txt`."""
+
+    id: str
+    path: str
+    reason: str
+
+
+AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
+"""Audio file suffixes an input folder is searched for."""
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines of a line-oriented manifest: split at "\\n" only (a "\\r\\n" ending loses its "\\r"). Never
+    `str.splitlines()`, which also splits at U+2028, U+0085, form feeds and lone "\\r" that are part of a
+    transcript: the tail would become a bogus line and the transcript would be packed cut short."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
+def opt_str(v: Any) -> str | None:
+    """An optional text field: None for a missing or empty value, else its str()."""
+    return None if v is None or v == "" else str(v)
+
+
+def table_rows(reader: Any, path: str, header: list[str]) -> Iterator[tuple[str, dict] | Reject]:
+    """(where, {column: value}) per non-blank row of a `csv.reader`; a row with the wrong field count is a Reject
+    (the reader's line_num names it)."""
+    for row in reader:
+        where = f"{path}:{reader.line_num}"
+        if not any(c.strip() for c in row):
+            continue
+        if len(row) != len(header):
+            yield Reject(where, where, f"bad_row: line {reader.line_num} has {len(row)} fields, "
+                                       f"header has {len(header)}")
+            continue
+        yield where, dict(zip(header, row))
