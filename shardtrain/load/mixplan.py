@@ -88,8 +88,8 @@ class MixturePlanner:
             rates = {r for t in tables for r in np.unique(numpy_of(t.column("sample_rate_hz"))).tolist()}
             self.indexes = [PlanIndex.from_table(t) for t in tables]
             prints = [ix.fingerprint() for ix in self.indexes]
-            drops = [index_drop_mask(d, cfg, ix.duration_s) for d, ix in zip(parts, self.indexes)]
-            drops = [np.zeros(len(ix), bool) if m is None else m for m, ix in zip(drops, self.indexes)]
+            masks = [index_drop_mask(d, cfg, ix.duration_s) for d, ix in zip(parts, self.indexes)]
+            drops = [np.zeros(len(ix), bool) if m is None else m for m, ix in zip(masks, self.indexes)]
             mask = [cost_s(ix.duration_s, cfg.bucket) > cfg.bucket.max_batch_seconds for ix in self.indexes]
             over = [int((m & ~dr).sum()) for m, dr in zip(mask, drops)]
             filtered = [int(dr.sum()) for dr in drops]

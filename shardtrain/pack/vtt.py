@@ -39,7 +39,8 @@ def parse_cues(text: str) -> list[tuple[int, float | None, float | None, str, st
     lines = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
     if not lines or not lines[0].startswith("WEBVTT"):
         raise ValueError("not a WebVTT file: the first line must start with WEBVTT")
-    cues, i = [], 1
+    cues: list[tuple[int, float | None, float | None, str, str | None]] = []
+    i = 1
     while i < len(lines):
         if not lines[i].strip():
             i += 1
@@ -79,7 +80,7 @@ def _names(fs: storage.FileSystem, path: str) -> list[str]:
 def iter_vtt(fs: storage.FileSystem, root: str) -> Iterator[Item | Reject]:
     """One Item per cue of every `<name>.vtt` in `root`, cut from `<name>.<audio ext>`; by name, then cue order."""
     names = _names(fs, root)
-    audio = {}
+    audio: dict[str, str] = {}
     for n in names:
         if n.lower().endswith(AUDIO_EXTENSIONS):
             audio.setdefault(n.rsplit(".", 1)[0], n)
