@@ -94,15 +94,3 @@ def test_edit_distance_and_error_rates_hand_checked():
     assert edit_distance("kitten", "sitting") == 3
     c = error_counts(["THE CAT SAT", "A B"], ["THE BAT SAT", "A B C"])
     assert c == {"char_errors": 1 + 2, "chars": 11 + 3, "word_errors": 1 + 1, "words": 3 + 2}
-
-
-def test_sentencepiece_missing_package_is_a_clear_error():
-    try:
-        import sentencepiece  # noqa: F401
-    except ImportError:
-        from shardtrain.train.text import SentencePieceVocab
-
-        with pytest.raises(RuntimeError, match="pip install sentencepiece"):
-            SentencePieceVocab("missing.model")
-    else:
-        pytest.skip("sentencepiece is installed; the missing-package path cannot be exercised")
