@@ -52,7 +52,7 @@ class Probe:
     rate_hz: int
     start_frame: int
     frames: int
-    """Frames the header claims for the segment: a plan, not a promise (reading stops at the real end)."""
+    """Frames the header claims for the segment: a claim, not a promise (reading stops at the real end)."""
 
     @property
     def duration_s(self) -> float:

@@ -158,7 +158,7 @@ def folder_source(root: Path) -> UtteranceSource:
                                                   for p in audio_files(root)])
 
 
-def plan_file_batches(files: Sequence[_File], max_batch_seconds: float) -> list[list[_File]]:
+def group_files(files: Sequence[_File], max_batch_seconds: float) -> list[list[_File]]:
     """Pure: group by rate, sort by duration, cut when the padded batch (longest x count) would pass the budget."""
     batches: list[list[_File]] = []
     for rate in sorted({f.rate_hz for f in files}):
@@ -233,7 +233,7 @@ class Transcriber:
         yield from (x for x in planned if isinstance(x, dict))  # probe failures first
         files = [x for x in planned if isinstance(x, _File)]
         short = [f for f in files if f.duration_s <= self.cfg.window_seconds]
-        for group in plan_file_batches(short, self.cfg.max_batch_seconds):
+        for group in group_files(short, self.cfg.max_batch_seconds):
             clips, keys, refs = [], [], []
             for f in group:
                 assert f.utt is not None
@@ -357,5 +357,5 @@ def has_references(src: str | UtteranceSource, storage_options: dict | None = No
     return any(bool(t) for t in texts.to_pylist())
 
 
-__all__ = ["TranscribeConfig", "Transcriber", "transcribe", "plan_file_batches", "is_dataset", "AudioBatch",
+__all__ = ["TranscribeConfig", "Transcriber", "transcribe", "group_files", "is_dataset", "AudioBatch",
            "UtteranceSource", "Utterance", "has_references", "folder_source"]

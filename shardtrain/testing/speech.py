@@ -89,9 +89,9 @@ def load_fortune_sentences(max_words: int = 18) -> list[str]:
     return sorted(out)
 
 
-def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: list[str],
-                 sentences: list[str]) -> list[_Utt]:
-    """Pure plan: speakers (voice, variant, speed, pitch), chapters, texts and paths for n utterances."""
+def _utterance_specs(n: int, seed: int, layout: str, voices: list[str], variants: list[str],
+                     sentences: list[str]) -> list[_Utt]:
+    """Pure: speakers (voice, variant, speed, pitch), chapters, texts and paths for n utterances."""
     rng = np.random.default_rng(seed)
     n_speakers = max(1, min(40, round(math.sqrt(n))))
     speaker_ids = sorted(int(x) for x in rng.choice(np.arange(100, 10000), n_speakers, replace=False))
@@ -104,7 +104,7 @@ def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: li
         speakers.append((str(sid), voice, int(rng.integers(140, 181)), int(rng.integers(30, 71)), chapters))
     per_speaker = [len(range(k, n, n_speakers)) for k in range(n_speakers)]
     counters: dict[tuple[int, int], int] = {}
-    plan = []
+    utts = []
     for i in range(n):
         k, j = i % n_speakers, i // n_speakers
         spk, voice, speed, pitch, chapters = speakers[k]
@@ -118,8 +118,8 @@ def _plan_speech(n: int, seed: int, layout: str, voices: list[str], variants: li
         utt_id = f"{spk}-{chapter}-{u:04d}"
         rel = f"{spk}/{chapter}/{utt_id}.flac" if layout == "librispeech" else f"{utt_id}.flac"
         speed = int(np.clip(speed + urng.integers(-10, 11), 130, 190))
-        plan.append(_Utt(rel_path=rel, text=text, speaker=spk, voice=voice, speed_wpm=speed, pitch=pitch))
-    return plan
+        utts.append(_Utt(rel_path=rel, text=text, speaker=spk, voice=voice, speed_wpm=speed, pitch=pitch))
+    return utts
 
 
 def _speak(exe: str, utt: _Utt, root: Path, sample_rate_hz: int) -> float:
@@ -144,20 +144,20 @@ def _speak(exe: str, utt: _Utt, root: Path, sample_rate_hz: int) -> float:
     return len(wave) / sample_rate_hz
 
 
-def _write_transcripts(root: Path, plan: list[_Utt], layout: str) -> None:
+def _write_transcripts(root: Path, utts: list[_Utt], layout: str) -> None:
     """LibriSpeech `<spk>-<chapter>.trans.txt` files or one `.txt` per utterance, plus manifest.tsv/.jsonl."""
     if layout == "librispeech":
         chapters: dict[Path, list[str]] = {}
-        for u in plan:
+        for u in utts:
             p = root / u.rel_path
             chapters.setdefault(p.parent / f"{p.parent.parent.name}-{p.parent.name}.trans.txt", []).append(
                 f"{p.stem} {u.text}")
         for trans, lines in chapters.items():
             trans.write_text("\n".join(sorted(lines)) + "\n", encoding="utf-8")
     else:
-        for u in plan:
+        for u in utts:
             (root / u.rel_path).with_suffix(".txt").write_text(u.text + "\n", encoding="utf-8")
-    write_manifests(root, [(u.rel_path, u.text, u.speaker) for u in plan])
+    write_manifests(root, [(u.rel_path, u.text, u.speaker) for u in utts])
 
 
 def synth_speech_corpus(
@@ -193,7 +193,7 @@ def synth_speech_corpus(
     if text_source == "fortunes" and not sentences:
         raise RuntimeError(f"text_source='fortunes' but no usable fortunes under {_FORTUNE_DIR} "
                            "(apt-get install fortunes)")
-    plan = _plan_speech(n, seed, layout, voices, variants, sentences)
+    utts = _utterance_specs(n, seed, layout, voices, variants, sentences)
     root = Path(dir)
     root.mkdir(parents=True, exist_ok=True)
 
@@ -202,13 +202,13 @@ def synth_speech_corpus(
     bar = tqdm(total=n, unit="utt", desc="espeak-ng", disable=not progress or not sys.stderr.isatty())
     total_s = 0.0
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for seconds in pool.map(lambda u: _speak(exe, u, root, sample_rate_hz), plan):
+        for seconds in pool.map(lambda u: _speak(exe, u, root, sample_rate_hz), utts):
             total_s += seconds
             bar.update(1)
     bar.close()
 
-    _write_transcripts(root, plan, layout)
+    _write_transcripts(root, utts, layout)
     elapsed = time.perf_counter() - t0
     log.info("synth_speech_corpus: %d utterances, %.2f h of audio, %d speakers in %.1f s (%.0f utt/s) -> %s",
-             n, total_s / 3600, len({u.speaker for u in plan}), elapsed, n / elapsed, root)
+             n, total_s / 3600, len({u.speaker for u in utts}), elapsed, n / elapsed, root)
     return root

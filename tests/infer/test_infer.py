@@ -22,7 +22,7 @@ from shardtrain.cli import main
 from shardtrain.infer.checkpoint_model import CheckpointError, find_checkpoint, load_trained
 from shardtrain.infer.export import OnnxRecognizer, export_onnx
 from shardtrain.infer.score import Score
-from shardtrain.infer.transcribe import TranscribeConfig, plan_file_batches, transcribe
+from shardtrain.infer.transcribe import TranscribeConfig, group_files, transcribe
 from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.train.loop import train
 from shardtrain.train.model import CTCModel
@@ -115,9 +115,9 @@ def test_file_batches_are_cut_by_padded_duration():
 
     files = [_File(path=Path(f"{i}.flac"), duration_s=d, rate_hz=16000) for i, d in enumerate([5, 1, 2, 9, 3])]
     files.append(_File(path=Path("x.wav"), duration_s=1.0, rate_hz=8000))
-    plan = plan_file_batches(files, 6.0)
+    groups = group_files(files, 6.0)
     # padded cost = longest x count: [1, 2] costs 4, adding 3 would cost 9 > 6
-    assert [[f.duration_s for f in b] for b in plan] == [[1.0], [1, 2], [3], [5], [9]]  # 8 kHz first, alone
+    assert [[f.duration_s for f in b] for b in groups] == [[1.0], [1, 2], [3], [5], [9]]  # 8 kHz first, alone
 
 
 def test_checkpoint_resolution(run_dir, tmp_path):
