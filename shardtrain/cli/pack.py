@@ -12,11 +12,15 @@ from shardtrain.format.safe import printable, printable_lines
 
 # ---- pack (owner: pack) -------------------------------------------------------------------------
 def _add_pack(sub) -> None:
-    import os
-
-    from shardtrain.pack.packer import DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S
-
     p = sub.add_parser("pack", help="pack a corpus into length-sorted WebDataset shards + index")
+    _add_input_args(p)
+    _add_audio_args(p)
+    _add_run_args(p)
+    p.set_defaults(func=_cmd_pack)
+
+
+def _add_input_args(p) -> None:
+    """Where the corpus is and how to read it."""
     p.add_argument("input", metavar="INPUT",
                    help="corpus: folder (x.flac + x.txt, or a metadata.csv), TSV/CSV/JSONL manifest, LibriSpeech or "
                         "LJSpeech folder, Lhotse CutSet "
@@ -41,6 +45,12 @@ def _add_pack(sub) -> None:
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for INPUT and OUTPUT, repeatable (e.g. "
                         "client_kwargs='{\"endpoint_url\": \"http://127.0.0.1:8333\"}' or profile=NAME). " + _CREDS_HELP)
+
+
+def _add_audio_args(p) -> None:
+    """What is stored, and what is rejected."""
+    from shardtrain.pack.packer import DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S
+
     p.add_argument("--codec", default="flac", choices=CODECS,
                    help="stored audio codec (default: flac)")
     p.add_argument("--sample-rate", type=int, default=16000, help="stored sample rate in Hz (default: 16000)")
@@ -69,6 +79,12 @@ def _add_pack(sub) -> None:
                    help="reject transcripts with more characters than this x duration + 20, reason "
                         "impossible_target: no CTC model can align them (read speech is ~15 a second; 0 turns the "
                         f"check off; default: {DEFAULT_MAX_CHARS_PER_S:g})")
+
+
+def _add_run_args(p) -> None:
+    """How the pack runs: workers, engine, strictness, output."""
+    import os
+
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="processes writing shards (default: CPU count, at most 8); output does not depend on it")
     p.add_argument("--engine", default="local", choices=("local", "ray"),
@@ -80,7 +96,6 @@ def _add_pack(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already at OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
-    p.set_defaults(func=_cmd_pack)
 
 
 def _delimiter(value: str) -> str:
