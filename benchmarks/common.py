@@ -160,6 +160,18 @@ def subprocess_env(extra: dict | None = None) -> dict:
     return env
 
 
+def script_module(script: str) -> str:
+    """`room.script` under benchmarks/ of a script named bare (`bench_loader` -> `load.bench_loader`; a script on top,
+    such as `gpu_check`, stays as it is): script names are unique across the rooms, so callers name the script, not
+    where it lives."""
+    if "." in script or (BENCH_DIR / f"{script}.py").exists():
+        return script
+    found = sorted(BENCH_DIR.glob(f"*/{script}.py"))
+    if len(found) != 1:
+        raise ValueError(f"benchmark script {script!r}: {len(found)} files benchmarks/*/{script}.py")
+    return f"{found[0].parent.name}.{script}"
+
+
 def run_isolated(script: str, func: str, kwargs: dict, *, env: dict | None = None, timeout_s: float = 900,
                  cwd: str | None = None) -> dict:
     """Run `func(**kwargs)` of benchmarks.<script> in a fresh interpreter and return its dict result.
@@ -167,7 +179,7 @@ def run_isolated(script: str, func: str, kwargs: dict, *, env: dict | None = Non
     `cwd`: where it runs (default the repository). `python -c` puts the working folder first on sys.path, ahead
     of PYTHONPATH: to import another checkout's `shardtrain`, run in that checkout. This repository is appended
     to PYTHONPATH so `benchmarks` imports there too (a checkout with its own `benchmarks` package runs its own)."""
-    code = (f"import sys, json; import benchmarks.{script} as m; "
+    code = (f"import sys, json; import benchmarks.{script_module(script)} as m; "
             f"r = m.{func}(**json.loads(sys.argv[1])); print('@@RESULT@@' + json.dumps(r))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
                           env=subprocess_env(env), timeout=timeout_s, cwd=cwd or str(REPO))

@@ -98,7 +98,7 @@ def part_augment(sizes: dict) -> dict:
     """The device's batched chain against the CPU's per-utterance loop, same waves, same chain."""
     import torch
 
-    from benchmarks.bench_augment import make_batch, time_chain
+    from benchmarks.train.bench_augment import make_batch, time_chain
     from shardtrain.train.augment import AugmentConfig, DeviceAugment
     from shardtrain.train.features import FeatureConfig
 
@@ -116,7 +116,7 @@ def part_augment(sizes: dict) -> dict:
 
 def _train(sizes: dict, ds: str, out: Path, extra: list[str], *, launcher: list[str] | None = None,
            timeout_s: float) -> dict:
-    from benchmarks.bench_tune import train_run
+    from benchmarks.train.bench_tune import train_run
 
     extra = TRAIN_SET + [f"train.device={sizes['device']}"] + (DRY_SET if sizes["device"] == "cpu" else []) + extra
     return train_run(ds, out, sizes["steps"], sizes["memory_mb"], extra, pipeline=sizes["pipeline"],
@@ -136,7 +136,7 @@ def part_amp_step(sizes: dict, ds: str, out: str, bound_s: float) -> dict:
 
 def part_tune(sizes: dict, ds: str, out: str, bound_s: float) -> dict:
     """The table by device memory, then tuned and single interleaved (tuned, single, tuned, single)."""
-    from benchmarks.bench_tune import tune_table
+    from benchmarks.train.bench_tune import tune_table
 
     t0 = time.perf_counter()
     budget = Path(out) / "budget.json"
@@ -221,7 +221,7 @@ def part_onnx(run_dir: str, val_from: str, out: str, bound_s: float) -> dict:
     for flac in sorted(Path(val_from).glob("*.flac"))[:10]:
         for f in (flac, flac.with_suffix(".txt")):
             (val / f.name).symlink_to(f)
-    cmd = [sys.executable, "-m", "benchmarks.bench_infer", "--checkpoint", run_dir, "--devices", "cpu,cuda",
+    cmd = [sys.executable, "-m", "benchmarks.infer.bench_infer", "--checkpoint", run_dir, "--devices", "cpu,cuda",
            "--val", str(val), "--repeats", "1", "--out-dir", out]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO, timeout=bound_s,
                          env=common.subprocess_env())

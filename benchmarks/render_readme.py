@@ -28,12 +28,22 @@ MAX_ROWS = 40
 def scripts() -> list[tuple[str, str]]:
     """(module to run with `python -m`, first docstring line) of every benchmark script."""
     out = []
-    for p in sorted(BENCH.glob("*.py")):
+    for p in sorted(BENCH.rglob("*.py"), key=lambda p: (len(p.relative_to(BENCH).parts) > 1, str(p))):
         if p.name in ("common.py", "render_readme.py") or p.name.startswith("_"):
             continue
         doc = ast.get_docstring(ast.parse(p.read_text())) or ""
-        out.append((f"benchmarks.{p.stem}", doc.strip().splitlines()[0] if doc.strip() else ""))
+        out.append((_module(p), doc.strip().splitlines()[0] if doc.strip() else ""))
     return out
+
+
+def _module(path: Path) -> str:
+    """`benchmarks.<room>.<script>` of a script file (rooms mirror shardtrain's subpackages)."""
+    return ".".join(("benchmarks", *path.relative_to(BENCH).with_suffix("").parts))
+
+
+def _modules_by_stem() -> dict[str, str]:
+    """A recorded command's bare script name (results written before the scripts moved into rooms) -> module."""
+    return {p.stem: _module(p) for p in BENCH.rglob("*.py") if not p.name.startswith("_")}
 
 
 def _cell(v) -> str:
@@ -93,9 +103,14 @@ def _machine(doc: dict) -> str:
 
 
 def _rerun(command: str) -> str:
-    """A recorded command as it runs now: a script path (`benchmarks/x.py`) becomes `python -m benchmarks.x`."""
-    command = re.sub(r"(?:PYTHONPATH=\S+ )?(?:\S*python3?\s+)?benchmarks/(\w+)\.py", r"python -m benchmarks.\1", command)
-    return re.sub(r"^(\w+)\.py\b", r"python -m benchmarks.\1", command)
+    """A recorded command as it runs now: a script path (`benchmarks/x.py`, `benchmarks/load/x.py`) or an old
+    module name (`benchmarks.x`, from before the scripts moved into rooms) becomes `python -m benchmarks.<room>.x`."""
+    stems = _modules_by_stem()
+    module = lambda m: stems.get(m.group(1).rsplit("/", 1)[-1], "benchmarks." + m.group(1))  # noqa: E731
+    command = re.sub(r"(?:PYTHONPATH=\S+ )?(?:\S*python3?\s+)?benchmarks/([\w/]+)\.py",
+                     lambda m: "python -m " + module(m), command)
+    command = re.sub(r"\bbenchmarks\.(\w+)\b(?!\.)", module, command)
+    return re.sub(r"^(\w+)\.py\b", lambda m: "python -m " + module(m), command)
 
 
 def render() -> str:

@@ -17,6 +17,16 @@ def test_benchmarks_readme_is_rendered_from_the_results():
 
 def test_every_benchmark_script_is_listed():
     text = (ROOT / "benchmarks" / "README.md").read_text()
-    scripts = [f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")
+    bench = ROOT / "benchmarks"
+    scripts = [".".join(("benchmarks", *p.relative_to(bench).with_suffix("").parts)) for p in bench.rglob("*.py")
                if p.name not in ("__init__.py", "common.py", "render_readme.py")]
-    assert scripts and all(f"`{s}`" in text for s in scripts)
+    assert len(scripts) > 10 and all(f"`{s}`" in text for s in scripts)
+
+
+def test_benchmarks_mirror_the_rooms():
+    """benchmarks/<room>/ for the rooms of shardtrain/: a script measures one room (cross-room runs stay on top)."""
+    bench, pkg = ROOT / "benchmarks", ROOT / "shardtrain"
+    rooms = [d.name for d in bench.iterdir() if d.is_dir() and (d / "__init__.py").exists()]
+    assert len(rooms) >= 6 and all((pkg / r / "__init__.py").exists() for r in rooms), rooms
+    top = sorted(p.stem for p in bench.glob("*.py") if not p.name.startswith("_"))
+    assert top == ["common", "gpu_check", "render_readme"], top

@@ -161,7 +161,7 @@ def _bound_malloc_heap(env: Mapping[str, str] | None = None) -> bool:
     batch tensors of training (every batch has its own length) come from the heap, which fragments and never
     shrinks: the demo's trainer grew to ~3.9 GB RSS. With a fixed threshold big tensors stay in mmap and go back
     to the OS when freed (40 tiny_cpu steps on 60 s batches: 1.8 GB and growing -> ~1.2 GB flat, same speed;
-    benchmarks/bench_train_rss.py). Skipped when MALLOC_MMAP_THRESHOLD_ is set (the user chose) or off glibc."""
+    benchmarks/train/bench_train_rss.py). Skipped when MALLOC_MMAP_THRESHOLD_ is set (the user chose) or off glibc."""
     import os
 
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in (os.environ if env is None else env):

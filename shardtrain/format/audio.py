@@ -75,7 +75,7 @@ def float_peak(x: np.ndarray, where: str = "") -> float:
     """Peak |sample| of float samples; AudioError("non_finite_audio") when one is NaN or +-Inf.
 
     Two SIMD reductions (min, max; NaN propagates through both) and no temporary array: ~0.02 ms per 10 s of 16 kHz
-    audio, ~10% of decoding a float WAV and ~2% of decoding the same as FLAC (benchmarks/bench_nonfinite.py). Run
+    audio, ~10% of decoding a float WAV and ~2% of decoding the same as FLAC (benchmarks/format/bench_nonfinite.py). Run
     only on float sources: integer PCM and FLAC samples cannot be non-finite."""
     if x.size == 0:
         return 0.0

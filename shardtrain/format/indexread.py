@@ -12,7 +12,7 @@ plain read expands it to gigabytes before any check could run; and its footer ca
 footer bounds what the pages may hold; the dictionary check bounds what decoding them would produce. The checks
 of values and of fields against each other (`validate.check_index`) then run on the bounded table.
 
-Cost (benchmarks/bench_index_guard.py, 200k rows, loaded 2-core box): the footer check 0.4 ms; reading key +
+Cost (benchmarks/format/bench_index_guard.py, 200k rows, loaded 2-core box): the footer check 0.4 ms; reading key +
 text dictionary-encoded, checking and decoding them ~2.6x a plain read (a hash per plain-encoded string: ~2.5 us
 a row, once per open), against ~34 ms to decode one 8-12 s FLAC row. Numeric columns cost nothing extra.
 """

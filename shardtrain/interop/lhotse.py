@@ -11,7 +11,7 @@
            without it (another process that never called open_cutset, e.g. a spawn-started worker): lhotse's own
              TarAsDirBackend opens the same local path by scanning the tar headers (slower, local files only).
 
-Measured (benchmarks/bench_interop.py, 400 x 1-3 s FLAC samples in one local shard, 2 busy cores): 1.4 ms per
+Measured (benchmarks/interop/bench_interop.py, 400 x 1-3 s FLAC samples in one local shard, 2 busy cores): 1.4 ms per
 `cut.load_audio()` through ShardMemberIOBackend, 39 ms through TarAsDirBackend (~28x; it grows with samples per shard).
 
 Everything is public lhotse API (Recording, AudioSource, SupervisionSegment, MonoCut, CutSet, IOBackend,

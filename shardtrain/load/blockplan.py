@@ -1,6 +1,6 @@
 """Planning at block granularity for very large corpora (issue 11.4): every rank plans the same small block
 table, then loads and deals only its own rows. The Loader uses it above StreamConfig.block_plan_min_rows (with
-the index memory-mapped once per node, load/mapped.py); benchmarks/bench_plan_scale.py --simulate runs it for
+the index memory-mapped once per node, load/mapped.py); benchmarks/load/bench_plan_scale.py --simulate runs it for
 1k..100M rows and 1..1,024 ranks.
 
     index (duration-sorted) -> blocks: runs of neighbouring rows ending at `block_s` seconds or `block_rows`

@@ -9,7 +9,7 @@ SIGBUS that kills the process and leaves the temp folder behind; write() returns
 turns into one line naming the folder and the space it needs. Each file is preallocated first (posix_fallocate),
 so a full disk is found before any row is written; the files are mapped read-only only once complete.
 
-What a check costs at open (measured, benchmarks/bench_mapped_check.py): every file's size and .npy header, a
+What a check costs at open (measured, benchmarks/load/bench_mapped_check.py): every file's size and .npy header, a
 full sha256 of the budget-critical columns (BUDGET_COLUMNS, 26 B a row, ~1 GB/s) and a sampled sha256 of the
 others (SAMPLES pages of 4 KiB plus both ends), plus the durations' order and range. A copy that changed after it
 was built (a torn write, a flipped page, a file replaced) fails the check and is rebuilt rather than used.

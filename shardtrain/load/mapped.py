@@ -23,9 +23,9 @@ columns, a sampled one of the rest, durations finite and ascending); one that fa
 
 Cost: the first rank on a node builds the copy: one sequential read of the index's numeric columns, keys and
 (with check_transcripts) transcripts, written once to local disk (~200 B a row with LibriSpeech-length
-transcripts: 2.3 s and 200 MB per 1M rows, 10-17 s and 2 GB per 10M, benchmarks/bench_block_loader.py). The
+transcripts: 2.3 s and 200 MB per 1M rows, 10-17 s and 2 GB per 10M, benchmarks/load/bench_block_loader.py). The
 others wait on a file lock and open it; later runs open it after the check (~140 ms per 1M rows on 2 busy
-cores, 4% of a build; benchmarks/bench_mapped_check.py). It is written with plain writes into a temporary
+cores, 4% of a build; benchmarks/load/bench_mapped_check.py). It is written with plain writes into a temporary
 folder (space checked and preallocated first: a full disk is an error naming the folder, never a SIGBUS) and
 renamed into place, so a crash never leaves a half-written copy that looks complete.
 """

@@ -46,7 +46,7 @@ varied as, per 1 + sigma batches: measured 1.15 / (1 + sigma) against 2 / (3 k) 
 def bucket_width(total_cost: float, budget: float, world_size: int, num_buckets: int, floor: int) -> tuple[int, float]:
     """(k, target): batches per rank a bucket holds, and the width (in such batches, maybe fractional) that keeps
     the variety of the reference, a uniform shuffle in `num_buckets` fixed equal-audio buckets, each dealt into
-    ceil(its cost / budget) batches (what benchmarks/bench_shuffle.py and the tests compare with). A bucket of k
+    ceil(its cost / budget) batches (what benchmarks/load/bench_shuffle.py and the tests compare with). A bucket of k
     batches per rank (k x world_size batches) repeats ~PHASE_GAIN / (k x world_size) of its pairs, the reference
     1 / ceil(total / (num_buckets x budget)): so target = PHASE_GAIN x that ceil / world_size, and k the whole
     number at or above it (at least `floor`). The local deal narrows a bucket of k to the target where it can.

@@ -47,7 +47,7 @@ Why this shape:
   deal puts the rows of a run (of a sub-run of <= m rows, m = batches of the chunk) into distinct batches, which
   removes the excess when L <= m; and where N x L / (2 C^2) would exceed VARIETY_SLACK, runs shrink towards m
   rows (not below `min_run_mb`). Measured: x1.0 of the uniform rate from 4k to 1M rows, reads ~0.65 MB instead
-  of 1 MB at the large sizes (benchmarks/bench_shuffle.py).
+  of 1 MB at the large sizes (benchmarks/load/bench_shuffle.py).
 - Worker independence: a rank's batch sequence is fixed before any worker exists; workers take whole chunks
   round-robin (`chunks[w::num_workers]`), and DataLoader's round-robin order restores the sequence.
 
@@ -76,7 +76,7 @@ PLAN_COLUMNS = ("shard", "offset", "size", "audio_offset", "audio_size", "json_o
                 "num_samples", "channels")
 CHECK_COLUMNS = ("key", "text")
 """Index columns the reader checks shard bytes against (held as Arrow arrays: ~25 bytes a row for keys, ~100 for
-transcripts; StreamConfig.check_transcripts=False leaves the latter out). Measured by benchmarks/bench_validate.py:
+transcripts; StreamConfig.check_transcripts=False leaves the latter out). Measured by benchmarks/load/bench_validate.py:
 1M rows read and checked in ~0.45 s more than the unchecked read, 125 MB of Arrow memory for both columns."""
 RUN_GAP_BYTES = 1 << 20
 """Rows closer than this in one shard are read as one range (reading through the gap beats another request);

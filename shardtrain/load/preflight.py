@@ -107,7 +107,7 @@ def pair_repeat(planner: Planner, world_size: int, rows: int) -> dict:
     """Pairs sharing a batch in epoch 0 that share one again in epoch 1, against a uniform shuffle of the same
     epoch-1 batches' rows inside each lock-step group (the duration band the planner deals in)."""
     if rows > VARIETY_MAX_ROWS:
-        return {"skipped": f"{rows} rows > {VARIETY_MAX_ROWS}: run benchmarks/bench_shuffle.py on a sample"}
+        return {"skipped": f"{rows} rows > {VARIETY_MAX_ROWS}: run benchmarks/load/bench_shuffle.py on a sample"}
     pairs = again = 0
     ref = 0.0
     batch_of: dict[int, int] = {}

@@ -18,7 +18,7 @@ What is covered: every nn.Linear the model calls as a module (feed-forward, conv
 subsampling output, CTC head). Not covered: the projections inside
 nn.MultiheadAttention (it reads its weights directly, not through Linear.forward) and LSTM weights; ONNX
 Runtime's dynamic quantization does quantize those MatMuls, which is part of why the int8 model's CER can
-still move a little (benchmarks/bench_infer.py measures it).
+still move a little (benchmarks/infer/bench_infer.py measures it).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def test_bench_missing_shard_is_one_line_and_exit_1(tmp_path):
 
 
 def test_train_bounds_the_malloc_heap_unless_the_user_chose():
-    """`shardtrain train` fixes glibc's mmap threshold (bounded RSS over long runs; benchmarks/bench_train_rss.py);
+    """`shardtrain train` fixes glibc's mmap threshold (bounded RSS over long runs; benchmarks/train/bench_train_rss.py);
     a MALLOC_MMAP_THRESHOLD_ in the environment is the user's choice and is left alone."""
     from shardtrain.cli import _bound_malloc_heap
 

@@ -181,7 +181,7 @@ def test_inspect_and_errors_print_escaped_names(dataset, tmp_path):
 
 def test_checks_cost_per_row_against_one_decode(dataset):
     """The cost the new checks add per row at open, next to decoding one row (printed; asserted loosely: the
-    figures are noisy on a shared machine). The full-size figure: benchmarks/bench_validate.py."""
+    figures are noisy on a shared machine). The full-size figure: benchmarks/load/bench_validate.py."""
     from shardtrain.format.audio import decode
     from shardtrain.format.indexread import MAX_STRING_BYTES
 

@@ -1,4 +1,4 @@
-"""benchmarks.bench_block_loader end to end at smoke size: the Loader's start-up with both planners on a
+"""benchmarks.load.bench_block_loader end to end at smoke size: the Loader's start-up with both planners on a
 synthetic index (concurrent rank processes), and the block planner's variety table (no speed is asserted)."""
 import json
 import subprocess
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_block_loader_runs_both_planners_and_reports_variety(tmp_path):
-    script = ["-m", "benchmarks.bench_block_loader"]
+    script = ["-m", "benchmarks.load.bench_block_loader"]
     res = subprocess.run([sys.executable, *script, "--rows", "30000", "--no-audio", "--ranks-per-node", "2",
                           "--world-size", "16", "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_shuffle_reports_every_sampler(tmp_path):
     out = tmp_path / "shuffle.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_shuffle", "--synthetic", "3000", "--epochs", "2",
+    cmd = [sys.executable, "-m", "benchmarks.load.bench_shuffle", "--synthetic", "3000", "--epochs", "2",
            "--lhotse-buckets", "30", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -27,7 +27,7 @@ def test_bench_shuffle_reports_every_sampler(tmp_path):
 
 
 def test_plan_scale_simulator_checks_its_invariants(tmp_path):
-    cmd = [sys.executable, "-m", "benchmarks.bench_plan_scale", "--simulate", "--rows", "2000", "200000",
+    cmd = [sys.executable, "-m", "benchmarks.load.bench_plan_scale", "--simulate", "--rows", "2000", "200000",
            "--world-sizes", "1", "8", "64", "--out-dir", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
-    cmd = [sys.executable, "-m", "benchmarks.compare", "--quick", "--utterances", "120",
+    cmd = [sys.executable, "-m", "benchmarks.load.compare", "--quick", "--utterances", "120",
            "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -43,7 +43,7 @@ def test_compare_quick_runs_every_tool_on_every_storage(tmp_path):
 
 
 def test_bench_decode_compares_the_decoders(tmp_path):
-    cmd = [sys.executable, "-m", "benchmarks.bench_decode", "--utterances", "60", "--shards", "1",
+    cmd = [sys.executable, "-m", "benchmarks.format.bench_decode", "--utterances", "60", "--shards", "1",
            "--repeats", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -62,7 +62,7 @@ def test_compare_measures_a_dataset_already_packed(tone_corpus, tmp_path):
     from conftest import pack_subset
 
     ds = pack_subset(tone_corpus, tmp_path / "given", 8)
-    cmd = [sys.executable, "-m", "benchmarks.compare", "--dataset", ds, "--storage", "local", "--repeats", "1",
+    cmd = [sys.executable, "-m", "benchmarks.load.compare", "--dataset", ds, "--storage", "local", "--repeats", "1",
            "--workers", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -72,6 +72,6 @@ def test_compare_measures_a_dataset_already_packed(tone_corpus, tmp_path):
     assert {r["tool"] for r in result["rows"]} == {"shardtrain", "webdataset"}
     runs = [json.loads(line) for line in (tmp_path / "out" / "compare.jsonl").read_text().splitlines()]
     assert all(r["samples"] == 8 for r in runs if r["tool"] in ("shardtrain", "webdataset"))
-    res = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--dataset", str(tmp_path / "nothing")],
+    res = subprocess.run([sys.executable, "-m", "benchmarks.load.compare", "--dataset", str(tmp_path / "nothing")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode != 0 and "no manifest.json there" in res.stderr

@@ -9,7 +9,7 @@
 
 Prints one JSON object and a table: seconds per step, MB of Arrow memory for the key/text columns, and
 microseconds per row for the checks and for a decode.
-Run: python -m benchmarks.bench_validate --rows 1000000 --utterances 60
+Run: python -m benchmarks.load.bench_validate --rows 1000000 --utterances 60
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks.bench_plan_scale import synthetic_columns
+from benchmarks.load.bench_plan_scale import synthetic_columns
 
 from shardtrain.format.manifest import Dataset, ShardInfo, index_bytes, index_table  # noqa: E402
 from shardtrain.format.validate import check_index  # noqa: E402

@@ -18,9 +18,9 @@ get presigned http URLs of the same objects (webdataset's curl handler; lhotse v
 utterances x 3 tools x 2 storages x 5 runs take ~5 min on 2 quiet cores once the inputs are cached; the first
 run adds ~2 min of espeak-ng, ~1 min of packing and ~1-2 min of Shar export. Run:
 
-    .venv/bin/python -m benchmarks.compare                    # the full comparison (< 15 min on 2 cores)
-    .venv/bin/python -m benchmarks.compare --quick            # 400 utterances, 1 run each, smoke test
-    .venv/bin/python -m benchmarks.compare --dataset s3://bucket/ds --storage local   # a dataset already packed
+    .venv/bin/python -m benchmarks.load.compare                    # the full comparison (< 15 min on 2 cores)
+    .venv/bin/python -m benchmarks.load.compare --quick            # 400 utterances, 1 run each, smoke test
+    .venv/bin/python -m benchmarks.load.compare --dataset s3://bucket/ds --storage local   # a dataset already packed
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks import bench_loader, common
+from benchmarks import common
+from benchmarks.load import bench_loader
 
 log = logging.getLogger("bench")
 TOOLS = ["shardtrain", "webdataset", "lhotse"]
@@ -128,7 +129,7 @@ def issue_figures(summary: list[dict], limit: dict, ds: Path, args: argparse.Nam
     over the decode-only limit of the same run, over webdataset and lhotse (same workers, same run), padding,
     fill (audio s per batch / max_batch_seconds), first batch, peak RSS, and the pair repeat rate of its plans
     across epochs over a uniform shuffle in 30 fixed equal-audio buckets (planning only, 4 epochs)."""
-    from benchmarks import bench_shuffle
+    from benchmarks.load import bench_shuffle
 
     from shardtrain.format.manifest import open_dataset
     from shardtrain.load.plan import PLAN_COLUMNS, BucketConfig, PlanIndex

@@ -20,7 +20,7 @@ CLI run pays it, overlapped with the scan). On a shared machine only the ratios 
 Run (the figures in the README):
 
     PYTHONPATH=$PWD .venv/bin/python -m shardtrain synth /tmp/c3k --n 3000 --layout flat
-    .venv/bin/python -m benchmarks.bench_pack --corpus /tmp/c3k --workers 2 --repeats 3 \\
+    .venv/bin/python -m benchmarks.pack.bench_pack --corpus /tmp/c3k --workers 2 --repeats 3 \\
         --tools decode-only decode-only-shardtrain shardtrain webdataset shardtrain-nocheck \\
         --out benchmarks/results/bench_pack.json
 """

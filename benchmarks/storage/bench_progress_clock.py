@@ -1,7 +1,7 @@
 """What the time-without-progress clock (shardtrain.storage.clock) costs on the loader's hot read path, per MB read,
 against the time to decode that MB of FLAC.
 
-    python -m benchmarks.bench_progress_clock                 # 64 MB object on a local SeaweedFS, 5 rounds
+    python -m benchmarks.storage.bench_progress_clock                 # 64 MB object on a local SeaweedFS, 5 rounds
 
 Method: a real read (storage.iter_range, direct HTTP, from SeaweedFS on loopback) counts how often each clock
 operation runs per MB (socket reads through `_ClockedIO`, pieces held/resumed, requests watched); each operation

@@ -7,8 +7,8 @@ on a memfd (format.audio._MemfdDecoder, still the path for WAV/Opus/MP3) runs wi
 libFLAC's output sample by sample; dr_flac (format.audio._DrFlac) reads the bytes where they are and converts in
 blocks. Each is run in threads and as one process per core (the decode-only limit's shape).
 
-    .venv/bin/python -m benchmarks.bench_decode              # members of the bench_loader dataset (cached)
-    .venv/bin/python -m benchmarks.bench_decode --repeats 5
+    .venv/bin/python -m benchmarks.format.bench_decode              # members of the bench_loader dataset (cached)
+    .venv/bin/python -m benchmarks.format.bench_decode --repeats 5
 
 The single-thread CPU A/B prices dr_flac against libsndfile on a memfd in thread CPU time (robust to a busy box).
 """

@@ -15,8 +15,8 @@ activations saved for backward), measured the same way for both; on CUDA it woul
 (this task had no GPU lent, so the CUDA figures with librispeech_base and bf16 are left for later). Timings on a
 shared machine are noisy: read the ratio of the interleaved runs, not absolute numbers. Run:
 
-    .venv/bin/python -m benchmarks.bench_tune                      # 160 utterances, 4 buckets, 2 x 24 steps
-    .venv/bin/python -m benchmarks.bench_tune --steps 60 --repeats 3 --memory-mb 250
+    .venv/bin/python -m benchmarks.train.bench_tune                      # 160 utterances, 4 buckets, 2 x 24 steps
+    .venv/bin/python -m benchmarks.train.bench_tune --steps 60 --repeats 3 --memory-mb 250
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_train_rss import dataset  # (tone corpus, durations uniform in 2-16 s, packed once)
+from benchmarks.train.bench_train_rss import dataset  # (tone corpus, durations uniform in 2-16 s, packed once)
 from benchmarks.common import DEFAULT_WORK_DIR, REPO, git_sha, machine, markdown_table
 
 SETTINGS = ["train.progress=false", "train.tensorboard=false", "train.log_every_steps=1", "train.val_every_steps=0",

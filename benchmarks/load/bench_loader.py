@@ -15,8 +15,8 @@ loader is built, and stops after the last batch of one epoch. webdataset has no 
 presigned http URLs of the same objects and reads them with its own curl handler (its cheapest S3 path).
 All reads hit the page cache after the first run (the same for every tool). Run:
 
-    .venv/bin/python -m benchmarks.bench_loader                 # 4,000 speech utterances, 0/1/2 workers
-    .venv/bin/python -m benchmarks.bench_loader --quick         # 400 utterances, smoke test (~1-2 min)
+    .venv/bin/python -m benchmarks.load.bench_loader                 # 4,000 speech utterances, 0/1/2 workers
+    .venv/bin/python -m benchmarks.load.bench_loader --quick         # 400 utterances, smoke test (~1-2 min)
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 batch 1 and batched, as real-time factor (wall seconds per audio second; lower is faster) and CER on the demo's
 validation set (espeak-ng speech, seed 1, as scripts/demo.py synthesises it).
 
-    python -m benchmarks.bench_infer                              # trains a tiny model first (~5 min on 2 cores)
-    python -m benchmarks.bench_infer --checkpoint demo_out/run    # the demo's model
-    python -m benchmarks.bench_infer --checkpoint RUN --devices cpu,cuda   # adds PyTorch on the GPU (and ORT CUDA
+    python -m benchmarks.infer.bench_infer                              # trains a tiny model first (~5 min on 2 cores)
+    python -m benchmarks.infer.bench_infer --checkpoint demo_out/run    # the demo's model
+    python -m benchmarks.infer.bench_infer --checkpoint RUN --devices cpu,cuda   # adds PyTorch on the GPU (and ORT CUDA
                                                                            # when onnxruntime-gpu is installed)
 
 Without --checkpoint: synthesises --train-utts utterances (seed 0), packs them and trains tiny_cpu (or --pipeline)

@@ -12,8 +12,8 @@
 The repeat rate of a uniform shuffle inside a bucket of N utterances dealt into batches of B is about B / N; it
 is the floor any sampler that keeps the same buckets can reach. Run:
 
-    .venv/bin/python -m benchmarks.bench_shuffle                    # 4k speech corpus (packs it once)
-    .venv/bin/python -m benchmarks.bench_shuffle --synthetic 1000000 --no-lhotse   # scale
+    .venv/bin/python -m benchmarks.load.bench_shuffle                    # 4k speech corpus (packs it once)
+    .venv/bin/python -m benchmarks.load.bench_shuffle --synthetic 1000000 --no-lhotse   # scale
 """
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ def load_index(args: argparse.Namespace):
     from shardtrain.load.plan import PLAN_COLUMNS, PlanIndex
 
     if args.synthetic:
-        from benchmarks import bench_plan_scale
+        from benchmarks.load import bench_plan_scale
 
         return PlanIndex(**bench_plan_scale.synthetic_columns(args.synthetic, args.seed)), f"synthetic-{args.synthetic}"
     ds = Path(args.dataset) if args.dataset else common.prepare_dataset(

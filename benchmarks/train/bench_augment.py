@@ -2,8 +2,8 @@
 batched, versus a per-utterance loop through the same ops (what lhotse's cut transforms do: each cut alone),
 in utterance-seconds of audio per second of wall time.
 
-    python -m benchmarks.bench_augment                      # CPU: 16 x 15 s, batched vs per-utterance
-    python -m benchmarks.bench_augment --batch 64 --devices cpu,cuda   # on a GPU machine
+    python -m benchmarks.train.bench_augment                      # CPU: 16 x 15 s, batched vs per-utterance
+    python -m benchmarks.train.bench_augment --batch 64 --devices cpu,cuda   # on a GPU machine
 
 Prints one JSON line (git_sha, config, per device: batched and per-utterance audio_s_per_s, ratio) and a table.
 Times are the best of --repeats, batched and per-utterance interleaved (robust to other load on a shared box).

@@ -11,9 +11,9 @@
 Planning cost should grow linearly in rows (numpy sort/cumsum plus a Python loop over ~rows/500 chunks), and
 loader RSS should not grow with corpus size (only the ~40 B/row PlanIndex does). Run:
 
-    .venv/bin/python -m benchmarks.bench_plan_scale                 # 1k..1M rows + 1k/4k real audio (~2-3 min)
-    .venv/bin/python -m benchmarks.bench_plan_scale --quick         # 1k..100k rows, 400 utterances of audio
-    .venv/bin/python -m benchmarks.bench_plan_scale --simulate      # block planner, 1k..100M rows x 1..1,024 ranks
+    .venv/bin/python -m benchmarks.load.bench_plan_scale                 # 1k..1M rows + 1k/4k real audio (~2-3 min)
+    .venv/bin/python -m benchmarks.load.bench_plan_scale --quick         # 1k..100k rows, 400 utterances of audio
+    .venv/bin/python -m benchmarks.load.bench_plan_scale --simulate      # block planner, 1k..100M rows x 1..1,024 ranks
 """
 from __future__ import annotations
 

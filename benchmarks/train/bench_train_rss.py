@@ -8,8 +8,8 @@
 The peer run is the same command through a wrapper that turns `_bound_malloc_heap` into a no-op, so the only
 difference is the heap setting. Timings are noisy on a shared machine; RSS is what this measures. Run:
 
-    .venv/bin/python -m benchmarks.bench_train_rss                  # 2,000 steps, 20 s batches
-    .venv/bin/python -m benchmarks.bench_train_rss --steps 200 --batch-seconds 60   # the demo's batch size
+    .venv/bin/python -m benchmarks.train.bench_train_rss                  # 2,000 steps, 20 s batches
+    .venv/bin/python -m benchmarks.train.bench_train_rss --steps 200 --batch-seconds 60   # the demo's batch size
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
 Absolute times are noisy on a loaded machine; the ratios and per-row figures are from the same interleaved run.
 Run:
 
-    .venv/bin/python -m benchmarks.bench_mapped_check --rows 1000000
+    .venv/bin/python -m benchmarks.load.bench_mapped_check --rows 1000000
 """
 from __future__ import annotations
 

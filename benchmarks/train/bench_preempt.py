@@ -10,8 +10,8 @@
 
 The promise under test: preempt_s <= one step + the checkpoint write. Run (from the repository root):
 
-    .venv/bin/python -m benchmarks.bench_preempt                     # local and S3, 3 runs each
-    .venv/bin/python -m benchmarks.bench_preempt --targets local --repeats 1
+    .venv/bin/python -m benchmarks.train.bench_preempt                     # local and S3, 3 runs each
+    .venv/bin/python -m benchmarks.train.bench_preempt --targets local --repeats 1
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_train_rss import dataset  # the same cached tone corpus (2-16 s utterances)
+from benchmarks.train.bench_train_rss import dataset  # the same cached tone corpus (2-16 s utterances)
 from benchmarks.common import DEFAULT_WORK_DIR, git_sha, markdown_table, summarize
 
 

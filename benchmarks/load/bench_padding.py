@@ -10,7 +10,7 @@
 
 Padding is deterministic from the plan, so no timing and no repeats are needed. Run:
 
-    .venv/bin/python -m benchmarks.bench_padding --dataset DS_4K --dataset DS_6K \
+    .venv/bin/python -m benchmarks.load.bench_padding --dataset DS_4K --dataset DS_6K \
         --uniform 20000,0.5,20,8,300 --uniform 40000,2,16,4,120
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import bench_shuffle, common
+from benchmarks import common
+from benchmarks.load import bench_shuffle
 
 log = logging.getLogger("bench")
 

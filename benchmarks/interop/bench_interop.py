@@ -5,8 +5,8 @@ ShardMemberIOBackend (installed by open_cutset) that is one ranged read located 
 (a process that never called open_cutset) lhotse's TarAsDirBackend opens the tar and scans its headers up to the
 member, so its cost grows with the samples per shard. Both decode the same bytes with the same lhotse decoder.
 
-    .venv/bin/python -m benchmarks.bench_interop                      # 400 tone samples in one shard
-    .venv/bin/python -m benchmarks.bench_interop --samples 1000 --repeats 3
+    .venv/bin/python -m benchmarks.interop.bench_interop                      # 400 tone samples in one shard
+    .venv/bin/python -m benchmarks.interop.bench_interop --samples 1000 --repeats 3
 """
 from __future__ import annotations
 

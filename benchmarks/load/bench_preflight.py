@@ -8,7 +8,7 @@
     ledger: LedgerWriter.add per micro-batch of 100 utterances (against a tiny_cpu training step on this machine,
           measured in the same run), flush size per million utterances, read_history + account of 1M utterances
 
-Run: .venv/bin/python -m benchmarks.bench_preflight [--rows 1000000 10000000 100000000] [--out results/]
+Run: .venv/bin/python -m benchmarks.load.bench_preflight [--rows 1000000 10000000 100000000] [--out results/]
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             for n in args.rows]
     ledger = common.run_isolated("bench_preflight", "ledger_one", {})
     result = {"benchmark": "bench_preflight", "git_sha": common.git_sha(), "machine": common.machine(),
-              "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.bench_preflight " + " ".join(argv or []),
+              "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.load.bench_preflight " + " ".join(argv or []),
               "rows": rows, "ledger": ledger}
     print(common.markdown_table(rows, [("rows", "rows"), ("blocks", "blocks"), ("plan_report_s", "plan report s"),
                                        ("steps_per_epoch", "steps"), ("fill", "fill"), ("padding", "padding"),

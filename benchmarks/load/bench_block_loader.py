@@ -14,9 +14,9 @@
 The rows planner is run with --rows-ranks processes (default 1: at 10M rows one rank holds ~2 GB); its node
 figure is that rank's growth x ranks per node, which the table says. Run:
 
-    .venv/bin/python -m benchmarks.bench_block_loader                       # 1M and 10M rows
-    .venv/bin/python -m benchmarks.bench_block_loader --rows 30000000 --no-audio
-    .venv/bin/python -m benchmarks.bench_block_loader --variety 200000 1000000   # batch variety
+    .venv/bin/python -m benchmarks.load.bench_block_loader                       # 1M and 10M rows
+    .venv/bin/python -m benchmarks.load.bench_block_loader --rows 30000000 --no-audio
+    .venv/bin/python -m benchmarks.load.bench_block_loader --variety 200000 1000000   # batch variety
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import common
-from benchmarks.bench_plan_scale import synthetic_columns
+from benchmarks.load.bench_plan_scale import synthetic_columns
 
 log = logging.getLogger("bench")
 TEXT = "he hoped there would be stew for dinner turnips and carrots and bruised potatoes and fat mutton pieces"
@@ -133,7 +133,7 @@ def node_run(url: str, planner: str, world_size: int, ranks: int, cache: str, wo
     """`ranks` concurrent rank processes (ranks 0..ranks-1) of a world_size world: one node."""
     barrier = work / f"barrier-{planner}-{time.time_ns()}"
     barrier.mkdir()
-    code = ("import sys, json; import benchmarks.bench_block_loader as m; "
+    code = ("import sys, json; import benchmarks.load.bench_block_loader as m; "
             "print('@@RESULT@@' + json.dumps(m.rank_run(**json.loads(sys.argv[1]))))")
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
         {"url": url, "planner": planner, "world_size": world_size, "rank": r, "cache": cache,
@@ -172,7 +172,7 @@ def block_epochs(n: int, world_size: int, epochs: int, max_batch_seconds: float,
     """Fresh interpreter: batch variety of the block planner on n synthetic rows (metadata only, all ranks dealt):
     pair repeat rate across consecutive epochs, against a uniform shuffle inside the same buckets split into the
     same number of batches, and against the rows planner (plan_epoch) on the same rows; padding and fill."""
-    from benchmarks.bench_shuffle import padding_stats, repeat_stats
+    from benchmarks.load.bench_shuffle import padding_stats, repeat_stats
 
     from shardtrain.load.blockplan import block_shape, make_blocks, plan_blocks, rank_batches
     from shardtrain.load.plan import BucketConfig, PlanIndex, plan_epoch

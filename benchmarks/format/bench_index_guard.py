@@ -7,7 +7,7 @@ before decoding, num_samples vs duration x rate), per row, next to decoding one 
     packed tone corpus -> one FLAC decode per row (the peer of every per-row figure)
 
 Prints one JSON object: seconds per read, microseconds per row, and the per-row check cost as a share of one decode.
-Run: python -m benchmarks.bench_index_guard --rows 1000000
+Run: python -m benchmarks.format.bench_index_guard --rows 1000000
 Figures are noisy on a shared machine: the ratios (same process, interleaved, best of --repeats) are what to quote.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 
 import pyarrow.parquet as pq
 
-from benchmarks.bench_validate import _best, _dataset, row_check_cost
+from benchmarks.load.bench_validate import _best, _dataset, row_check_cost
 
 from shardtrain.format.indexread import check_footer  # noqa: E402
 from shardtrain.load.plan import PLAN_COLUMNS  # noqa: E402

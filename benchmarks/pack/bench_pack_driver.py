@@ -11,7 +11,7 @@ and numpy objects by tracemalloc + Arrow's pool), and RSS growth over the import
 peaks: the process-wide high-water mark; RSS also counts what the allocators keep after a free, an upper bound). The audio records are not on the driver under Ray
 (they stay in the object store), so they are not part of this. Run:
 
-    .venv/bin/python -m benchmarks.bench_pack_driver --items 1000000
+    .venv/bin/python -m benchmarks.pack.bench_pack_driver --items 1000000
 """
 from __future__ import annotations
 

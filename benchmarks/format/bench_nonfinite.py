@@ -6,8 +6,8 @@ pay nothing. For float members the check is two reductions over the decoded row 
 max, NaN propagates, no temporary array), plus a clip pass when the peak is past full scale. This prices it per
 batch of 10 s rows, single-threaded, in thread CPU time (robust to a busy box):
 
-    .venv/bin/python -m benchmarks.bench_nonfinite                 # 16 rows of 10 s, 20 repeats
-    .venv/bin/python -m benchmarks.bench_nonfinite --rows 32 --repeats 50
+    .venv/bin/python -m benchmarks.format.bench_nonfinite                 # 16 rows of 10 s, 20 repeats
+    .venv/bin/python -m benchmarks.format.bench_nonfinite --rows 32 --repeats 50
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Benchmarks of shardtrain.format (run each as `python -m benchmarks.format.NAME`)."""

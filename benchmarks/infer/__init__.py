@@ -1,0 +1,1 @@
+"""Benchmarks of shardtrain.infer (run each as `python -m benchmarks.infer.NAME`)."""

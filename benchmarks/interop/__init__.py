@@ -1,0 +1,1 @@
+"""Benchmarks of shardtrain.interop (run each as `python -m benchmarks.interop.NAME`)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of shardtrain.load (run each as `python -m benchmarks.load.NAME`)."""

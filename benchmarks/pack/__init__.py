@@ -1,0 +1,1 @@
+"""Benchmarks of shardtrain.pack (run each as `python -m benchmarks.pack.NAME`)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of shardtrain.storage (run each as `python -m benchmarks.storage.NAME`)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of shardtrain.train (run each as `python -m benchmarks.train.NAME`)."""
