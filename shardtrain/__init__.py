@@ -1,25 +1,42 @@
 """shardtrain: pack speech corpora into length-sorted WebDataset shards, stream them, train, benchmark.
 
-`shardtrain.pack(PackConfig(...))` and `shardtrain.open_dataset(url)` are the packing API; the loader names are
-imported lazily so `shardtrain pack` and `shardtrain inspect` never pay for torch (~700 MB and ~1 s).
+`shardtrain.pack(PackConfig(...))` and `shardtrain.open_dataset(url)` are the packing API, `shardtrain.build_loader`
+the streaming one. Every name is imported lazily: `shardtrain pack` and `shardtrain inspect` never pay for torch
+(~700 MB and ~1 s), and no command pays for pyarrow before it needs it.
 """
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from shardtrain._version import __version__
 
-from shardtrain.format.manifest import Dataset, DatasetError, ShardInfo, open_dataset
-from shardtrain.pack.packer import PackConfig, PackResult, pack
-from shardtrain.load.plan import BucketConfig, plan_epoch
-from shardtrain.world import World  # noqa: E402
+if TYPE_CHECKING:  # the names as types; at run time each is imported on first use (__getattr__)
+    from shardtrain.format.manifest import Dataset, DatasetError, ShardInfo, open_dataset
+    from shardtrain.load.loader import Batch, Loader, StreamConfig, StreamError, build_loader
+    from shardtrain.load.plan import BucketConfig, plan_epoch
+    from shardtrain.pack.packer import PackConfig, PackResult, pack
+    from shardtrain.world import World
 
-_LAZY = {name: "shardtrain.load.loader" for name in ("Batch", "Loader", "StreamConfig", "StreamError", "build_loader")}
-__all__ = ["__version__", "BucketConfig", "Dataset", "DatasetError", "PackConfig", "PackResult", "ShardInfo",
-           "World", "open_dataset", "pack", "plan_epoch", *sorted(_LAZY)]
+_LAZY = {
+    **{name: "shardtrain.format.manifest" for name in ("Dataset", "DatasetError", "ShardInfo", "open_dataset")},
+    **{name: "shardtrain.pack.packer" for name in ("PackConfig", "PackResult", "pack")},
+    **{name: "shardtrain.load.plan" for name in ("BucketConfig", "plan_epoch")},
+    "World": "shardtrain.world",
+    **{name: "shardtrain.load.loader" for name in ("Batch", "Loader", "StreamConfig", "StreamError", "build_loader")},
+}
+"""Every public name, imported on first use: `import shardtrain.cli` (every command's start) then costs no pyarrow,
+numpy, fsspec or torch, so a mistyped path is reported before any of them loads."""
+__all__ = ["__version__", *sorted(_LAZY)]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

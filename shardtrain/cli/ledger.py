@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, missing_local_path, report_error
 
 
 def _add_ledger(sub) -> None:
@@ -54,6 +54,9 @@ def _changed_since(history, facts) -> str | None:
 
 
 def _cmd_ledger(args) -> int:
+    if missing_local_path(args.run):  # before numpy's and fsspec's imports: a typo answers at once
+        return report_error("ledger", FileNotFoundError(f"{args.run}: nothing is there; pass a run folder (the --out "
+                                                        "of `shardtrain train`)"))
     from shardtrain import storage
     from shardtrain.train.ledger import read_history
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from shardtrain.format.codecs import CODECS
-from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, report_error
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, missing_local_path, report_error
 from shardtrain.format.safe import printable, printable_lines
 
 
@@ -49,7 +49,7 @@ def _add_input_args(p) -> None:
 
 def _add_audio_args(p) -> None:
     """What is stored, and what is rejected."""
-    from shardtrain.pack.packer import DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S
+    from shardtrain.pack.config import DEFAULT_MAX_CHARS_PER_S, DEFAULT_MIN_DURATION_S
 
     p.add_argument("--codec", default="flac", choices=CODECS,
                    help="stored audio codec (default: flac)")
@@ -108,6 +108,10 @@ def _delimiter(value: str) -> str:
 def _cmd_pack(args) -> int:
     import json
 
+    from shardtrain.pack.item import missing_input_message
+
+    if missing_local_path(args.input):  # before the readers' imports: a typo answers at once
+        return report_error("pack", ValueError(missing_input_message(args.input)))
     from shardtrain.pack.packer import AudioTarget, PackConfig, pack
     from shardtrain.pack.nothing import NothingAccepted
     from shardtrain.pack.shard_task import PackError
@@ -171,6 +175,10 @@ def _add_inspect(sub) -> None:
 def _cmd_inspect(args) -> int:
     import json
 
+    from shardtrain.format.locate import nothing_there
+
+    if missing_local_path(args.dataset):  # before pyarrow's import: a typo answers at once
+        return report_error("inspect", ValueError(nothing_there(args.dataset)))
     from shardtrain.format.manifest import open_dataset
     from shardtrain.pack.verify import format_inspect, inspect, problems_to_dicts, verify
 

@@ -5,7 +5,7 @@ import json
 import sys
 import time
 
-from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, report_error
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, missing_local_path, report_error
 
 
 def _add_plan(sub) -> None:
@@ -57,6 +57,11 @@ def _stream_config(args):
 
 
 def _cmd_plan(args) -> int:
+    from shardtrain.format.locate import nothing_there
+
+    for url in args.data:  # before pyarrow's import: a typo answers at once
+        if missing_local_path(url):
+            return report_error("plan", ValueError(nothing_there(url)))
     from shardtrain.format.manifest import DatasetError, open_dataset
     from shardtrain.load.mixplan import make_planner
     from shardtrain.load.preflight import (PreflightConfig, batch_figures, io_figures, memory_figures,

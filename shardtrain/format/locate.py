@@ -12,7 +12,6 @@ when opening failed.
 """
 from __future__ import annotations
 
-from shardtrain import storage
 from shardtrain.format.safe import printable
 
 AUDIO_SUFFIXES = (".flac", ".wav", ".opus", ".ogg", ".mp3", ".m4a", ".sph")
@@ -41,6 +40,8 @@ def _survey(url: str, storage_options: dict | None) -> tuple[bool, set[str]]:
     `<spk>/<chapter>/`, thousands of speakers), so the first branch reaches it in 3 listings at any width; breadth
     first would spend the whole budget listing speaker folders.
     """
+    from shardtrain import storage
+
     fs, path = storage.fs_and_path(url, storage_options)
     if fs.isfile(path):
         return True, {"file"}
@@ -70,8 +71,16 @@ def _survey(url: str, storage_options: dict | None) -> tuple[bool, set[str]]:
     return found, kinds
 
 
+def nothing_there(url: str) -> str:
+    """The line for a dataset URL where nothing exists (pure: the CLI says it before importing any reader)."""
+    return f"no dataset at {printable(url, 200)}: nothing is there; check the path (a dataset is the OUTPUT folder " \
+           f"of `shardtrain pack INPUT OUTPUT`)"
+
+
 def missing_manifest_message(url: str, storage_options: dict | None = None) -> str:
     """One line for a URL without manifest.json: what is there, and the command that fixes it."""
+    from shardtrain import storage
+
     shown = printable(url, 200)
     try:
         found, kinds = _survey(url, storage_options)
@@ -81,8 +90,7 @@ def missing_manifest_message(url: str, storage_options: dict | None = None) -> s
         return f"no dataset at {shown}: an empty folder; check the path (a dataset is the OUTPUT folder of " \
                f"`shardtrain pack INPUT OUTPUT`)"
     if not found:
-        return f"no dataset at {shown}: nothing is there; check the path (a dataset is the OUTPUT folder of " \
-               f"`shardtrain pack INPUT OUTPUT`)"
+        return nothing_there(url)
     if "file" in kinds:
         return f"{shown} is a file, not a dataset; pass the folder that `shardtrain pack INPUT OUTPUT` wrote " \
                f"(it holds manifest.json)"

@@ -24,8 +24,24 @@
     safeio.py      bounded reads of untrusted input files (regular files only, at most a limit, never blocking)
     tailcheck.py   does an audio file's content reach the length its header claims (without a full decode)
 """
-from shardtrain.pack.config import AudioTarget, PackConfig
-from shardtrain.pack.packer import PackResult, pack
-from shardtrain.pack.shard_task import PackError
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = ["AudioTarget", "PackConfig", "PackError", "PackResult", "pack"]
+if TYPE_CHECKING:  # the names as types; at run time each is imported on first use (__getattr__)
+    from shardtrain.pack.config import AudioTarget, PackConfig
+    from shardtrain.pack.packer import PackResult, pack
+    from shardtrain.pack.shard_task import PackError
+
+_LAZY = {"AudioTarget": "config", "PackConfig": "config", "PackResult": "packer", "pack": "packer",
+         "PackError": "shard_task"}
+"""The room's API, imported on first use: `shardtrain.pack.config` (what the CLI's --help reads its defaults from)
+then costs no pyarrow, numpy or soundfile."""
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"shardtrain.pack.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardtrain.pack' has no attribute {name!r}")

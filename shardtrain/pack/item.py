@@ -43,6 +43,19 @@ class Reject:
 AUDIO_EXTENSIONS = (".flac", ".wav", ".opus", ".ogg", ".mp3")
 """Audio file suffixes an input folder is searched for."""
 
+INPUT_KINDS = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
+               f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts or a "
+               "metadata.csv (Hugging Face audiofolder, LJSpeech), recordings with same-stem .vtt subtitles, a Kaldi "
+               "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, a save_to_disk folder, or a "
+               "DatasetDict folder with dataset_dict.json and --split) or a Common Voice release "
+               "(clips/ + validated.tsv)")
+"""What `pack` reads, for the error on an input it cannot find or recognise."""
+
+
+def missing_input_message(input: str) -> str:
+    """The line for an INPUT where nothing exists (pure: the CLI says it before importing any reader)."""
+    return f"input {input!r} does not exist; expected {INPUT_KINDS}"
+
 
 def split_lines(text: str) -> list[str]:
     """Lines of a line-oriented manifest: split at "\\n" only (a "\\r\\n" ending loses its "\\r"). Never

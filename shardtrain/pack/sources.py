@@ -26,7 +26,8 @@ from typing import Any, Literal
 from shardtrain import storage
 from shardtrain.pack import corpora, metadata, vtt
 from shardtrain.pack.inputfs import audio_ref, input_fs, open_text, resolve_audio
-from shardtrain.pack.item import AUDIO_EXTENSIONS, Item, Reject, opt_str, split_lines, table_rows
+from shardtrain.pack.item import (AUDIO_EXTENSIONS, INPUT_KINDS, Item, Reject, missing_input_message, opt_str,
+                                  split_lines, table_rows)
 from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, InputFileError, read_bounded
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,8 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     for "dir") a walk that stops at the first audio file.
     """
     fs, path = input_fs(input, storage_options)
-    looked_for = ("a .tsv/.csv/.jsonl/.jsonl.gz manifest file, a LibriSpeech folder (<spk>/<chapter>/*.trans.txt), "
-                  f"a folder of audio files ({'/'.join(AUDIO_EXTENSIONS)}) with same-stem .txt transcripts or a "
-                  "metadata.csv (Hugging Face audiofolder, LJSpeech), recordings with same-stem .vtt subtitles, a Kaldi "
-                  "data dir (wav.scp + text), a Hugging Face dataset (.arrow/.parquet, a save_to_disk folder, or a "
-                  "DatasetDict folder with dataset_dict.json and --split) or a Common Voice release "
-                  "(clips/ + validated.tsv)")
     if not fs.exists(path):
-        raise ValueError(f"input {input!r} does not exist; expected {looked_for}")
+        raise ValueError(missing_input_message(input))
     other = corpora.detect(fs, path)  # Kaldi data dir, Hugging Face dataset, Common Voice release
     if other is not None:
         return other
@@ -127,7 +122,7 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
         if _is_jsonl(low):
             rec = _first_json_record(fs, path) or {}
             return "lhotse" if ("supervisions" in rec or "recording" in rec) else "jsonl"
-        raise ValueError(f"input {input!r} is a file of unknown type; expected {looked_for} "
+        raise ValueError(f"input {input!r} is a file of unknown type; expected {INPUT_KINDS} "
                          "(or pass --source-format explicitly)")
 
     if _trans_files(fs, path):
@@ -140,7 +135,7 @@ def detect_format(input: str, storage_options: dict | None = None) -> str:
     for _root, _dirs, files in (os.walk(path, followlinks=True) if storage.fs_is_local(fs) else fs.walk(path)):
         if any(f.lower().endswith(AUDIO_EXTENSIONS) for f in files):
             return "dir"
-    raise ValueError(f"input folder {input!r} holds no audio files; expected {looked_for}")
+    raise ValueError(f"input folder {input!r} holds no audio files; expected {INPUT_KINDS}")
 
 
 def resolve_format(input: str, source_format: str, storage_options: dict | None) -> str:

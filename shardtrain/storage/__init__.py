@@ -13,15 +13,33 @@
 
 Imports nothing from the rest of shardtrain. `from shardtrain import storage; storage.read_range(...)` is the API.
 """
-from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, FileSystem,
-                                   StorageUnavailable, atomic_write_bytes, commit_local_file, copy_into,
-                                   credentials_error, exists, fill_range, fs_and_path, fs_is_local, is_local,
-                                   is_transient, iter_range, join, ls_names, makedirs, open_ranged, presign,
-                                   read_bytes, read_range, remove, size, sync)
-from shardtrain.storage.redact import StorageOptions
-from shardtrain.storage.s3http import ObjectChanged
+from __future__ import annotations
 
-__all__ = ["RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "FileSystem", "ObjectChanged", "StorageOptions",
-           "StorageUnavailable", "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error",
-           "exists", "fill_range", "fs_and_path", "fs_is_local", "is_local", "is_transient", "iter_range", "join",
-           "ls_names", "makedirs", "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync"]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names as types; at run time each is imported on first use (__getattr__)
+    from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, FileSystem,
+                                       StorageUnavailable, atomic_write_bytes, commit_local_file, copy_into,
+                                       credentials_error, exists, fill_range, fs_and_path, fs_is_local, is_local,
+                                       is_transient, iter_range, join, ls_names, makedirs, open_ranged, presign,
+                                       read_bytes, read_range, remove, size, sync)
+    from shardtrain.storage.redact import StorageOptions
+    from shardtrain.storage.s3http import ObjectChanged
+
+_FS = ("RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "FileSystem", "StorageUnavailable",
+       "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range",
+       "fs_and_path", "fs_is_local", "is_local", "is_transient", "iter_range", "join", "ls_names", "makedirs",
+       "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync")
+_LAZY = {**{name: "fs" for name in _FS}, "StorageOptions": "redact", "ObjectChanged": "s3http"}
+"""Imported on first use: the CLI's log filter (redact.py) and a command's first checks then cost no fsspec/s3fs
+(~0.1 s of CPU)."""
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"shardtrain.storage.{_LAZY[name]}"), name)
+        globals()[name] = value  # later lookups are plain attribute reads (the loader's hot path calls these)
+        return value
+    raise AttributeError(f"module 'shardtrain.storage' has no attribute {name!r}")
