@@ -25,7 +25,6 @@ from shardtrain.train import elastic
 from shardtrain.train.budget import read_budget
 from shardtrain.train.closedloop import ClosedLoop, table_of, with_table
 from shardtrain.train.config import RunConfig, TrainConfig
-from shardtrain.train.guards import StepGuard
 from shardtrain.train.ledger import LedgerWriter
 from shardtrain.train.memory import total_bytes
 from shardtrain.train.model import build_model
@@ -64,8 +63,6 @@ class RunState:
     """Steps redone in parts after an out-of-memory error, over the whole run."""
     budget_state: dict | None = None
     """The closed loop's state from the checkpoint (train/closedloop.py), applied by `closed_loop`."""
-    guard: StepGuard | None = None
-    """Skipped non-finite steps and impossible targets (train/guards.py); set when training starts."""
     ckpt_failures: int = 0
     """Periodic checkpoints failed in a row (Trainer._checkpoint)."""
 

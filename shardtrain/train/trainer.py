@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from typing import Generator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -38,7 +39,8 @@ from tqdm import tqdm
 from shardtrain import faults
 from shardtrain.format.manifest import open_dataset
 from shardtrain.format.safe import printable
-from shardtrain.load.loader import build_loader
+from shardtrain.load.batch import Batch
+from shardtrain.load.loader import Loader, build_loader
 from shardtrain.load.reader import StreamError
 from shardtrain.storage.lock import LockHeld
 from shardtrain.train import checkpoint as ckpt
@@ -76,6 +78,12 @@ class Trainer:
     """One rank's training run. Building it restores (or starts) the run and opens its outputs; `fit()` trains
     and closes them. The process group, the signal handlers and the lease belong to the caller (loop.train)."""
 
+    # opened by _open_outputs; the loader restarts (and `batches` is renewed) when the closed loop re-plans
+    metrics: MetricsLogger
+    keylog: KeyLog | None
+    loader: Loader
+    batches: Generator[tuple[Batch, dict], None, None]
+
     def __init__(self, cfg: RunConfig, world: World, device: torch.device, *, resume: bool,
                  storage_options: dict | None, pre: Preemption, lease: runfiles.RunLease | None) -> None:
         self.world, self.device, self.storage_options = world, device, storage_options
@@ -100,8 +108,9 @@ class Trainer:
         # peak memory per step: for the closed loop, or reported (mem_peak_mb) when a memory limit is set
         self.mem = MemoryMeter(device, self.run.raw_model, self.run.optimizer) \
             if self.closed.active or self.cfg.budget.memory_limit_mb else None
-        self.run.guard = StepGuard(max_nonfinite_steps=tc.max_nonfinite_steps,
-                                   max_impossible_share=tc.max_impossible_share)
+        self.guard = StepGuard(max_nonfinite_steps=tc.max_nonfinite_steps,
+                               max_impossible_share=tc.max_impossible_share)
+        """Skipped non-finite steps and impossible targets (train/guards.py), counted over this attempt."""
 
     # -- the loop
     def fit(self) -> dict:
@@ -128,7 +137,7 @@ class Trainer:
         finally:
             self.close()
         return {**self.last, "step": run.step, "out_dir": tc.out_dir, "oom_splits": run.oom_splits,
-                **run.guard.counters()}
+                **self.guard.counters()}
 
     def _micro_batches(self) -> list:
         """The next grad_accum_steps (batch, loader state) pairs; the closed loop decides at an epoch's start."""
@@ -177,8 +186,7 @@ class Trainer:
         """Count the step's outcome; False for a step no rank had a target token for (not taken: no step, no
         schedule, nothing to log or save; StreamError after MAX_EMPTY_STEPS in a row)."""
         run = self.run
-        assert run.guard is not None
-        run.guard.after_step(run.step + 1, nonfinite=res.nonfinite, overflow=res.overflow,
+        self.guard.after_step(run.step + 1, nonfinite=res.nonfinite, overflow=res.overflow,
                              impossible=res.impossible, samples=res.samples)
         self._record_memory(micro, res)
         run.loader_state = micro[-1][1]
@@ -217,10 +225,10 @@ class Trainer:
         run, tc = self.run, self.cfg.train
         if not (run.step % tc.log_every_steps == 0 or run.step == tc.max_steps):
             return
-        lr = run.scheduler.get_last_lr()[0]
+        lr = float(run.scheduler.get_last_lr()[0])
         row = self.meter.row(run.step, lr, self.comm, float(self.loader.stats()["skipped"]), epoch, self.device)
         row.update(self._dataset_seconds())
-        row.update(run.guard.counters() if run.guard is not None else {})
+        row.update(self.guard.counters())
         self.metrics.log(row)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}")
         if self.bar.disable and self.world.is_main:
