@@ -200,3 +200,36 @@ def test_every_module_is_in_its_room_map(room):
     listed = set(re.findall(r"^\s*([\w_]+\.py)\s", doc, flags=re.M))
     modules = {p.name for p in (PKG / room).glob("*.py") if p.name != "__init__.py"}
     assert not modules - listed, f"shardtrain/{room}/__init__.py does not map {sorted(modules - listed)}"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_in_train_is_over_60_lines():
+    """The trainer reads as a page: every function and method in shardtrain/train/ fits on one screen."""
+    long = []
+    for path in sorted((PKG / "train").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"train/{path.name}::{node.name} ({n} lines)")
+    assert long == [], f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_only_the_entry_is_imported_from_the_training_loop():
+    """train/loop.py is the process entry: other modules import `train` from it and nothing else (the schedule,
+    optimiser and seeds live in train/schedule.py), and interop imports nothing from it at all."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path == PKG / "train" / "loop.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "shardtrain.train.loop":
+                names = {a.name for a in node.names}
+                if names != {"train"} or path.parent.name == "interop":
+                    bad.append(f"{path.relative_to(PKG)} imports {sorted(names)} from shardtrain.train.loop")
+            elif isinstance(node, ast.ImportFrom) and node.module == "shardtrain.train" and \
+                    any(a.name == "loop" for a in node.names):
+                bad.append(f"{path.relative_to(PKG)} imports the loop module itself")
+    assert bad == [], bad

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=None, help="also write bench_infer.json and bench_infer.md here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("onnx_ir", "onnxscript", "torch.onnx", "shardtrain.train.loop", "shardtrain.load"):
+    for noisy in ("onnx_ir", "onnxscript", "torch.onnx", "shardtrain.train.trainer", "shardtrain.train.runstate",
+                  "shardtrain.load"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ from shardtrain.load.batch import Batch
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import Loader, build_loader
 from shardtrain.train.config import RunConfig
-from shardtrain.train.loop import augment_seed, lr_factor
+from shardtrain.train.schedule import augment_seed, lr_factor
 from shardtrain.train.model import build_model
 from shardtrain.train.step import Augmenters, to_device
 from shardtrain.train.text import tokenizer_from_json

@@ -208,6 +208,9 @@ class Loader:
     step, chain, counters}. It is the same on every rank (counters aside), so any rank's copy resumes all of them.
     """
 
+    source: tuple = ()
+    """(url, storage_options, epoch_hours) the planner was made from, set by build_loader: what `restart` re-plans."""
+
     def __init__(self, planner: Planner, *, world: World, seed: int, cfg: StreamConfig, state: dict | None = None,
                  rows: int | None = None):
         self.planner, self.world, self.seed, self.cfg = planner, world, seed, cfg
@@ -295,6 +298,20 @@ class Loader:
         self.counters = {k: [0.0] * len(v) if isinstance(v, list) else type(v)(0) for k, v in self.counters.items()}
         self.skipped_keys, self.cursor = [], _Cursor(0, 0)
         self._load_state(state)
+
+    def restart(self, cfg: StreamConfig, state: dict) -> None:
+        """Plan again with `cfg` (e.g. the closed loop's new budget table) from `state`, which must sit at an epoch
+        boundary when the bucket config changes. Costs what `build_loader` does: the manifest and index are read
+        again, no audio. Call between iterations (close the running one first); the next `iter()` reads the new plan.
+        Only for a loader made by `build_loader` (it records the datasets)."""
+        if not self.source:
+            raise ValueError("Loader.restart needs a loader made by build_loader (it records the datasets)")
+        url, storage_options, epoch_hours = self.source
+        self.planner = make_planner(url, seed=self.seed, cfg=cfg, storage_options=storage_options,
+                                    epoch_hours=epoch_hours)
+        self.cfg, self._bucket_fingerprint, self._epoch_skips = cfg, _cfg_fingerprint(cfg), (0, 0)
+        self.too_long_per_epoch, self.filtered_per_epoch = self.planner.too_long, self.planner.filtered
+        self.load_state_dict(state)
 
     def batches(self) -> Iterator[Batch]:
         """Plain iterator of batches; `state_dict()` after each one is the state that resumes at the next."""
@@ -413,4 +430,6 @@ def build_loader(url: str | list | tuple, *, world: World, seed: int, cfg: Strea
     lean_memory_pool()
     planner = make_planner(url, seed=seed, cfg=cfg, storage_options=storage_options, epoch_hours=epoch_hours)
     rows = sum(s.samples for s in planner.data.shards)
-    return Loader(planner, world=world, seed=seed, cfg=cfg, state=state, rows=rows)
+    loader = Loader(planner, world=world, seed=seed, cfg=cfg, state=state, rows=rows)
+    loader.source = (url, storage_options, epoch_hours)
+    return loader

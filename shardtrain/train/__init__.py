@@ -1,7 +1,10 @@
 """train: batches -> a trained CTC model under DDP. Imports `load`, `format`, `storage`.
 
     config.py      TrainConfig and RunConfig (composes stream, augment, feature and model configs)
-    loop.py        train(): process group, model, optimiser, the step loop, validation and checkpoints
+    loop.py        train(): the process around a run: device, process group, signal handlers, lease
+    trainer.py     Trainer: one rank's run and fit(), the step loop: batches, step, log, validate, checkpoint
+    runstate.py    RunState: model, optimiser, schedule, counters; built fresh, restored, saved with checkpoints
+    schedule.py    learning-rate schedule, augmentation seeds, the AdamW they drive (pure; shared with interop)
     step.py        what one batch needs on the device: to_device, augmenters, autocast, collectives
     evaluate.py    validation: loss, greedy CTC decoding, CER/WER per validation set and pooled
     valsets.py     the validation sets: names (given or derived from URLs, unique), start-up open check

@@ -30,7 +30,7 @@ Failures: each save stage (create, write, commit) ends in an all-reduce of "did 
 rank that cannot write (disk full, read-only, storage refused) makes every rank raise CheckpointWriteError, one
 line naming the step, the rank, the cause (torch.save reports a full disk as "unexpected pos"; statvfs names it)
 and the checkpoint that stays the latest; the temp folder is removed. What the trainer then does is its policy
-(loop.py: a periodic save may fail twice in a row, a final or preemption save stops the run). On load,
+(trainer.py: a periodic save may fail twice in a row, a final or preemption save stops the run). On load,
 load_newest_intact names a truncated or corrupt newest checkpoint and falls back to the newest one every rank
 reads; explain_mismatch turns a model that does not fit its checkpoint into one line of fields and shapes.
 

@@ -2,14 +2,15 @@
 
     every step: (bucket, peak bytes) of each micro-batch (train/memory.py), OOMs as inf      -> epoch window
     first batch of a new epoch at a step edge: all-reduce (max) of the window over ranks -> budget.adapt
-      -> a "budget" row in metrics.jsonl -> the loader rebuilt from the state (epoch + 1, step 0) with the table
+      -> a "budget" row in metrics.jsonl -> Loader.restart at (epoch + 1, step 0) with the table
 
 Why only at epoch boundaries: the running epoch's plan depends on the table, so changing it mid-epoch would
 break exactly-once and exact resume; a loader state at step 0 of an epoch can be resumed with another bucket
 config (load/loader.py). The window, the table and the tuned table (the bounds) go into every checkpoint, so a
 resumed run takes the same decision at the same boundary. A boundary that falls inside a step
 (grad_accum_steps > 1 and an epoch not a multiple of it) is skipped; the window carries on into the next epoch.
-Cost: one all-reduce of 2 x buckets + 1 floats per epoch, a loader rebuild (an epoch plan) when a budget moves.
+Cost: one all-reduce of 2 x buckets + 1 floats per epoch, a loader restart (manifest and index read again, an
+epoch plan) when a budget moves.
 """
 from __future__ import annotations
 

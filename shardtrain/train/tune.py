@@ -32,6 +32,7 @@ import torch
 from shardtrain.load.plan import cost_s, estimate_bins
 from shardtrain.train.memory import MemoryMeter, free_after_oom, is_oom, state_bytes, total_bytes
 from shardtrain.train.model import build_model
+from shardtrain.train.schedule import make_optimizer
 from shardtrain.train.step import Augmenters, autocast
 from shardtrain.train.config import RunConfig
 
@@ -86,8 +87,6 @@ class Prober:
     """One model, optimiser and augmentation chain on the device; `probe(n, seconds)` runs one real step."""
 
     def __init__(self, cfg: RunConfig, vocab_size: int, device: torch.device, seed: int = 0) -> None:
-        from shardtrain.train.loop import make_optimizer
-
         torch.manual_seed(seed)
         self.cfg, self.device, self.vocab = cfg, device, vocab_size
         self.model = build_model(cfg.model, vocab_size, cfg.features.n_mels).to(device).train()
@@ -181,21 +180,14 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
     prober.probe(1, buckets[0].shortest_s)  # allocates the optimiser state, which every later step holds
     # the smallest batch of the most demanding bucket first: when it does not fit, say so in seconds, not after
     # the whole search (and write nothing: a table of one utterance a bucket would only OOM later)
-    peak, _ = prober.probe(1, buckets[-1].longest_s)
-    if peak > target_bytes:
-        need = "more than the device has" if math.isinf(peak) else f"{peak / 2**20:.0f} MiB"
-        raise NothingFits(f"one utterance of {buckets[-1].longest_s:.2f} s (the longest) needs {need}, over the "
-                          f"{target_bytes / 2**20:.0f} MiB target: raise --memory-limit-mb or --memory-fraction, or "
-                          "use a smaller model or precision")
+    _longest_fits(prober, buckets[-1].longest_s, target_bytes)
     rows, table = [], []
     prev: tuple[int, float] | None = None
     bar = tqdm(buckets, desc="tune", unit="bucket", disable=not progress)
     for i, bk in enumerate(bar):
-        longest = float(cost_s(np.array([bk.longest_s]), _plain(b))[0])
-        unit = longest if b.padded_budget else float(cost_s(np.array([bk.shortest_s]), _plain(b))[0])
+        longest, unit = _costs(b, bk)
         n_max = max(1, int((max_batch_seconds - longest) // unit) + 1)
-        if b.max_batch_size is not None:
-            n_max = min(n_max, b.max_batch_size)
+        n_max = n_max if b.max_batch_size is None else min(n_max, b.max_batch_size)
         seen: dict[int, float] = {}
         times: dict[int, float] = {}
 
@@ -234,11 +226,34 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
                  (seen.get(n) or 0) / 2**20, target_bytes / 2**20, step_s, probes)
     # the last edge covers the whole range the loader may meet: a longer row takes the last budget
     return {"budget_table": [list(r) for r in table], "memory_target_bytes": int(target_bytes),
-            "device": str(device), "memory_source": "cuda max_memory_allocated" if device.type == "cuda" else
+            **_measured_on(prober, cfg, device), "buckets": rows, "tune_s": round(time.perf_counter() - t_start, 2)}
+
+
+def _costs(b, bk: Bucket) -> tuple[float, float]:
+    """Budget seconds of the bucket's longest utterance, and of each further one (the shortest, or the longest
+    again when budgets are padded)."""
+    longest = float(cost_s(np.array([bk.longest_s]), _plain(b))[0])
+    return longest, longest if b.padded_budget else float(cost_s(np.array([bk.shortest_s]), _plain(b))[0])
+
+
+def _longest_fits(prober: Prober, longest_s: float, target_bytes: float) -> None:
+    """NothingFits unless one utterance of `longest_s` fits the target (one probe)."""
+    peak, _ = prober.probe(1, longest_s)
+    if peak > target_bytes:
+        need = "more than the device has" if math.isinf(peak) else f"{peak / 2**20:.0f} MiB"
+        raise NothingFits(f"one utterance of {longest_s:.2f} s (the longest) needs {need}, over the "
+                          f"{target_bytes / 2**20:.0f} MiB target: raise --memory-limit-mb or --memory-fraction, or "
+                          "use a smaller model or precision")
+
+
+def _measured_on(prober: Prober, cfg: RunConfig, device: torch.device) -> dict:
+    """What the budgets were measured with: device, memory source, fixed bytes and the settings that move them."""
+    b = cfg.stream.bucket
+    return {"device": str(device), "memory_source": "cuda max_memory_allocated" if device.type == "cuda" else
             "params + grads + optimiser state + activations saved for backward (train/memory.py)",
             "fixed_bytes": state_bytes(prober.model, prober.optimizer), "precision": cfg.train.precision,
             "padded_budget": b.padded_budget, "quadratic_duration_s": b.quadratic_duration_s,
-            "augment": cfg.train.augment, "buckets": rows, "tune_s": round(time.perf_counter() - t_start, 2)}
+            "augment": cfg.train.augment}
 
 
 def _plain(b):

@@ -166,7 +166,7 @@ def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch
         else:
             loss = _accumulate_ddp(cfg, run, items, device, scale, meter, res)
         _apply_update(cfg, run, comm, loss, res)
-    else:  # the step counter and the LR schedule do not move for a step that saw no data (see loop._train)
+    else:  # the step counter and the LR schedule do not move for a step that saw no data (see trainer.Trainer._account)
         log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
     run.optimizer.zero_grad(set_to_none=True)
     return res

@@ -24,7 +24,8 @@ from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.load.reader import StreamError
-from shardtrain.train.loop import lr_factor, train
+from shardtrain.train.loop import train
+from shardtrain.train.schedule import lr_factor
 from shardtrain.world import World
 
 # A 0.6M-parameter model, no augmentation/dropout unless a test turns them on, every batch = all utterances.
@@ -128,7 +129,7 @@ def test_empty_steps_do_not_advance_and_all_empty_data_stops(six_utts, tmp_path,
         f.seek(row["audio_offset"])
         f.write(b"\x00" * row["audio_size"])
     one = ["stream.bucket.max_batch_size=1", "train.log_every_steps=1"]
-    caplog.set_level("WARNING", logger="shardtrain.train.loop")
+    caplog.set_level("WARNING", logger="shardtrain.train")
     run(str(data), tmp_path / "run", 8, *one, "stream.max_skipped_share=0.5", val=False)
     assert any("not taken" in r.getMessage() for r in caplog.records), "no empty step: the test proves nothing"
     losses, _ = read_metrics(tmp_path / "run")

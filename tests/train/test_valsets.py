@@ -106,7 +106,7 @@ def _pooled(row: dict, names: list[str], rate: str, weight: str) -> float:
 @pytest.mark.s3
 def test_two_validation_sets_report_their_own_cer_wer(six, heldout, s3, tmp_path, caplog):
     """Train on six utterances; validate on those six (local) and on four others (S3) at steps 30 and 60."""
-    caplog.set_level("INFO", logger="shardtrain.train.loop")
+    caplog.set_level("INFO", logger="shardtrain.train")
     cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + [
         f"train.data_url={six}", f"train.val_data_url={six}", f"train.val_extra_urls={heldout}",
         f"train.out_dir={tmp_path}", "train.max_steps=60", "train.val_every_steps=30", "train.log_every_steps=30"])
