@@ -247,6 +247,11 @@ class Loader:
     def dataset_names(self) -> list[str]:
         return list(self.planner.datasets)
 
+    @property
+    def content_ids(self) -> list[str]:
+        """Dataset.content_id of each dataset, in dataset_names' order, from the manifests the planner opened."""
+        return [d.content_id for d in self.planner.data.parts]
+
     # -- state
     def _load_state(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:

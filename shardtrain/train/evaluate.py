@@ -23,10 +23,8 @@ import torch
 from shardtrain.load.loader import build_loader
 from shardtrain.train.text import error_counts
 from shardtrain.train.valsets import ValSet, val_sets
-from shardtrain.world import World
-from shardtrain.train.config import RunConfig
 from shardtrain.train.model import SpeechModel
-from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
+from shardtrain.train.step import StepContext, autocast, to_device
 
 SUMS = ("loss", "tokens", "char_errors", "chars", "word_errors", "words", "utts", "audio_s", "skipped")
 """What each rank adds up per validation set; summed over ranks in one all-reduce."""
@@ -39,11 +37,11 @@ def _rates(s: dict) -> dict:
             "wer": s["word_errors"] / max(s["words"], 1.0)}
 
 
-def _evaluate_set(model: torch.nn.Module, cfg: RunConfig, vs: ValSet, world: World, tok, augmenters: Augmenters,
-                  device: torch.device, storage_options: dict | None) -> tuple[dict, list[tuple[str, str]]]:
+def _evaluate_set(ctx: StepContext, model: torch.nn.Module, tok, vs: ValSet,
+                  storage_options: dict | None) -> tuple[dict, list[tuple[str, str]]]:
     """This rank's sums (SUMS) and (reference, hypothesis) pairs over its stripe of one validation set."""
-    tc = cfg.train
-    loader = build_loader(vs.url, world=world, seed=tc.seed, cfg=dataclasses.replace(cfg.stream, epochs=1),
+    tc, device = ctx.cfg.train, ctx.device
+    loader = build_loader(vs.url, world=ctx.world, seed=tc.seed, cfg=dataclasses.replace(ctx.cfg.stream, epochs=1),
                           storage_options=storage_options)
     sums = dict.fromkeys(SUMS, 0.0)
     examples: list[tuple[str, str]] = []
@@ -55,7 +53,7 @@ def _evaluate_set(model: torch.nn.Module, cfg: RunConfig, vs: ValSet, world: Wor
             if len(batch) == 0:
                 continue
             waves, lengths, targets, target_lengths = to_device(batch, device, tok)
-            feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, None, train=False)
+            feats, feat_lengths = ctx.augmenters(waves, lengths, batch.sample_rate_hz, None, train=False)
             with autocast(tc, device):
                 loss_sum, outputs, out_lengths = model(feats, feat_lengths, targets, target_lengths)
             hyps = [tok.decode(ids) for ids in cast(SpeechModel, model).decode(outputs, out_lengths)]
@@ -72,15 +70,16 @@ def _evaluate_set(model: torch.nn.Module, cfg: RunConfig, vs: ValSet, world: Wor
     return sums, examples
 
 
-def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmenters: Augmenters,
-             device: torch.device, comm: Collectives, storage_options: dict | None) -> dict:
+def evaluate(ctx: StepContext, model: torch.nn.Module, tok, storage_options: dict | None) -> dict:
     """Validation loss per token, CER and WER of every validation set and pooled over all of them (see the module
     docstring); sums all-reduced across ranks in one collective.
 
-    Uses the unwrapped model (no DDP collectives) and features without augmentation. Returns {val_loss, cer, wer,
-    val_chars, examples, sets: {name: {SET_KEYS..., examples}}}; examples are this rank's first `val_examples`
-    (normalised reference, hypothesis) pairs of each set.
+    Takes the run's config, world, collectives and augmenters from `ctx` (train/step.py); uses the unwrapped
+    model (no DDP collectives) and features without augmentation. Returns {val_loss, cer, wer, val_chars, examples,
+    sets: {name: {SET_KEYS..., examples}}}; examples are this rank's first `val_examples` (normalised reference,
+    hypothesis) pairs of each set.
     """
+    cfg = ctx.cfg
     sets = val_sets(cfg.train)
     local: list[float] = []
     examples: dict[str, list[tuple[str, str]]] = {}
@@ -88,12 +87,12 @@ def evaluate(model: torch.nn.Module, cfg: RunConfig, world: World, tok, augmente
     try:
         with torch.no_grad():
             for vs in sets:
-                sums, ex = _evaluate_set(model, cfg, vs, world, tok, augmenters, device, storage_options)
+                sums, ex = _evaluate_set(ctx, model, tok, vs, storage_options)
                 local += [sums[k] for k in SUMS]
                 examples[vs.name] = ex[: cfg.train.val_examples]
     finally:
         model.train()
-    total = comm.sum(local) if local else []
+    total = ctx.comm.sum(local) if local else []
     per = {vs.name: dict(zip(SUMS, total[i * len(SUMS):(i + 1) * len(SUMS)])) for i, vs in enumerate(sets)}
     pooled = {k: sum(p[k] for p in per.values()) for k in SUMS}
     rates = _rates(pooled)

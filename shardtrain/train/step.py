@@ -1,5 +1,7 @@
-"""What one batch needs on the device, shared by the training step and validation, and validation itself.
+"""What one batch needs on the device, shared by the training step and validation.
 
+    StepContext: what every step of a run shares (config, world, device, collectives, augmenters, budget table,
+      memory meter, in-step fault seam), built once by the Trainer and again when the closed loop moves the table
     Batch (CPU, pinned) -> to_device (targets via the tokenizer; B=0 -> a silent dummy) -> Augmenters (one
     DeviceAugment per input rate) -> model under `autocast` -> evaluate: loss, greedy CTC decode, CER/WER sums
     -> Collectives.sum (one all-reduce) -> per-token loss and error rates over every rank's share of the set.
@@ -7,18 +9,22 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from shardtrain.train.augment import DeviceAugment
-from shardtrain.load.batch import pcm_to_float
+from shardtrain.load.batch import Batch, pcm_to_float
+from shardtrain.train.schedule import augment_seed
 from shardtrain.train.text import encode_batch
 from shardtrain.world import World
 
 if TYPE_CHECKING:
+    from shardtrain.train.budget import Table
     from shardtrain.train.config import RunConfig, TrainConfig
+    from shardtrain.train.memory import MemoryMeter
 
 
 class Collectives:
@@ -58,6 +64,34 @@ class Augmenters:
         if rate_hz not in self._by_rate:
             self._by_rate[rate_hz] = DeviceAugment(self.cfg.augment, self.cfg.features, rate_hz).to(self.device)
         return self._by_rate[rate_hz](waves, lengths, generator, train=train)
+
+
+def _no_fault(step: int) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What the optimiser step (train/update.py) and validation (train/evaluate.py) take from the run besides its
+    state and the batches: constant over a run, except `cfg` and `table`, which the closed loop moves between
+    epochs (the Trainer then builds a new one; building one costs nothing)."""
+
+    cfg: RunConfig
+    world: World
+    device: torch.device
+    comm: Collectives
+    augmenters: Augmenters
+    table: Table | None = None
+    """The budget table the epoch was planned with (closedloop.py): which bucket a micro-batch's peak counts for."""
+    meter: MemoryMeter | None = None
+    """Peak memory per micro-batch (train/memory.py), when the closed loop or a memory limit needs it."""
+    fault: Callable[[int], None] = _no_fault
+    """The in-step fault seam (shardtrain/faults.py), called with the step number before the forward of each
+    unsplit first attempt."""
+
+    def seed_of(self, batch: Batch) -> int:
+        """The augmentation seed of `batch`: (seed, epoch, step, rank) alone, so a resumed run draws the same."""
+        return augment_seed(self.cfg.train.seed, batch.epoch, batch.step, self.world.rank)
 
 
 def to_device(batch, device: torch.device, tok) -> tuple[torch.Tensor, ...]:

@@ -37,7 +37,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from shardtrain import faults
-from shardtrain.format.manifest import open_dataset
 from shardtrain.format.safe import printable
 from shardtrain.load.batch import Batch
 from shardtrain.load.loader import Loader, build_loader
@@ -57,8 +56,7 @@ from shardtrain.train.model import num_parameters
 from shardtrain.train.overrides import to_dict
 from shardtrain.train.preempt import Preemption
 from shardtrain.train.runstate import RunState, build_tokenizer, closed_loop
-from shardtrain.train.schedule import augment_seed
-from shardtrain.train.step import Augmenters, Collectives
+from shardtrain.train.step import Augmenters, Collectives, StepContext
 from shardtrain.train.text import tokenizer_from_json
 from shardtrain.train.update import StepResult, broadcast_params, optimiser_step
 from shardtrain.train.valsets import val_sets, warn_missing_chars
@@ -111,6 +109,8 @@ class Trainer:
         self.guard = StepGuard(max_nonfinite_steps=tc.max_nonfinite_steps,
                                max_impossible_share=tc.max_impossible_share)
         """Skipped non-finite steps and impossible targets (train/guards.py), counted over this attempt."""
+        self.ctx = self._step_context()
+        """What every step takes besides the run state and its batches; rebuilt when the closed loop re-plans."""
 
     # -- the loop
     def fit(self) -> dict:
@@ -162,6 +162,7 @@ class Trainer:
         if table is None:
             return False
         self.cfg = with_table(self.cfg, table)
+        self.ctx = self._step_context()
         self.batches.close()
         state = {**(run.loader_state or item[1]), "epoch": item[0].epoch, "step": 0, "chain": []}
         self.loader.restart(self._stream_cfg(), state)
@@ -170,17 +171,22 @@ class Trainer:
 
     def _step(self, micro: list) -> StepResult:
         """Record what the step trains on (key log, ledger), then one optimiser step over the micro-batches."""
-        run, rank, nxt = self.run, self.world.rank, self.run.step + 1
+        run, nxt = self.run, self.run.step + 1
         if self.keylog is not None:
             self.keylog.write(nxt, micro)
         if run.ledger is not None:
             run.ledger.add(nxt, micro)
-        oom_point = lambda: faults.point(f"train.step.rank{rank}", nxt, actions=("oom",),  # noqa: E731
-                                         once_marker=self.out / f".fault_oom_step_{nxt}.done")
-        seed = self.cfg.train.seed
-        return optimiser_step(self.cfg, run, micro, self.world, self.device, self.comm, self.augmenters,
-                              lambda b: augment_seed(seed, b.epoch, b.step, rank),
-                              table=self.closed.table, splits=run.splits, meter=self.mem, fault=oom_point)
+        return optimiser_step(self.ctx, run, micro)
+
+    def _step_context(self) -> StepContext:
+        """The step's context for the current config and budget table (train/step.py)."""
+        return StepContext(self.cfg, self.world, self.device, self.comm, self.augmenters, table=self.closed.table,
+                           meter=self.mem, fault=self._oom_point)
+
+    def _oom_point(self, step: int) -> None:
+        """The in-step fault seam `train.step.rank<r>` (action "oom"), once per step and run folder."""
+        faults.point(f"train.step.rank{self.world.rank}", step, actions=("oom",),
+                     once_marker=self.out / f".fault_oom_step_{step}.done")
 
     def _account(self, micro: list, res: StepResult) -> bool:
         """Count the step's outcome; False for a step no rank had a target token for (not taken: no step, no
@@ -279,8 +285,7 @@ class Trainer:
         sets = val_sets(tc)
         log.info("step %d: validating on %s", run.step, ", ".join(f"{s.name} ({s.url})" for s in sets))
         with torch.random.fork_rng(devices=[]):  # validation must not shift the training RNG streams
-            res = evaluate(run.raw_model, self.cfg, self.world, run.tok, self.augmenters, self.device, self.comm,
-                           self.storage_options)
+            res = evaluate(self.ctx, run.raw_model, run.tok, self.storage_options)
         row = metrics_row(res, run.step)
         self.metrics.log(row)
         self.last.update(row, val_examples=res["examples"])
@@ -424,9 +429,10 @@ class Trainer:
         t_ms = int(self.comm.sum([time.time() * 1000.0 if world.is_main else 0.0])[0])
         sources = data_sources(tc)
         pairs = [(sources, 1.0)] if isinstance(sources, str) else sources
-        # content ids (shard sha256s) let `shardtrain ledger` refuse a dataset re-packed since (same rows, other audio)
-        datasets = [{"url": u, "weight": w, "content": open_dataset(u, self.storage_options).content_id}
-                    if world.is_main else {"url": u, "weight": w} for u, w in pairs]
+        # content ids (shard sha256s) let `shardtrain ledger` refuse a dataset re-packed since (same rows, other audio);
+        # the loader's, in the sources' order: each manifest is opened once per run
+        datasets = [{"url": u, "weight": w, "content": c} if world.is_main else {"url": u, "weight": w}
+                    for (u, w), c in zip(pairs, self.loader.content_ids, strict=True)]
         ledger = LedgerWriter(self.out, rank=world.rank, attempt=attempt_id(run.step, t_ms),
                               remote=tc.out_dir if ckpt.is_remote(tc.out_dir) else None,
                               storage_options=self.storage_options)

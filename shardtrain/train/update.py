@@ -19,27 +19,27 @@ A split piece is trimmed to its own longest utterance; CTC losses are summed per
 padding, so the pieces' losses and gradients add up to the unsplit step's (floating-point order aside). The
 augmentation ran once on the whole micro-batch, so a split draws no other randomness. No sample is dropped: a
 piece that is one utterance and still does not fit raises on every rank together.
+
+What the step takes: the run's StepContext (train/step.py: config, world, device, collectives, augmenters, budget
+table, memory meter, fault seam), the run state (model, optimiser, scaler, step, OOM split levels) and the
+micro-batches; the helpers below pass the same three, plus what the step has computed so far.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardtrain.load.batch import Batch
-from shardtrain.train.budget import Table, bucket_of
+from shardtrain.train.budget import bucket_of
 from shardtrain.train.guards import alignable, is_finite, keep_utterances
-from shardtrain.train.memory import MemoryMeter, free_after_oom, is_oom
-from shardtrain.train.step import Augmenters, Collectives, autocast, to_device
-from shardtrain.world import World
-
-if TYPE_CHECKING:
-    from shardtrain.train.config import RunConfig
+from shardtrain.train.memory import free_after_oom, is_oom
+from shardtrain.train.step import StepContext, autocast, to_device
 
 log = logging.getLogger(__name__)
 
@@ -102,26 +102,27 @@ class _Item:
     """Nothing of this micro-batch trains (no sample, or none CTC can align): a dummy forward joins the step."""
 
 
-def _prepare(cfg: RunConfig, run, micro: list, world: World, device: torch.device, augmenters: Augmenters,
-             seed_of: Callable[[Batch], int], table: Table | None) -> tuple[list[_Item], int]:
+def _prepare(ctx: StepContext, run, micro: list) -> tuple[list[_Item], int]:
     """Each micro-batch on the device, augmented (no_grad), without the utterances CTC cannot align: the items
     and how many utterances were dropped. One device->host copy of a bool per utterance when the model reports
     its output lengths (the forward needs the augmentation done anyway)."""
     items, dropped = [], 0
     for batch, _ in micro:
-        waves, lengths, targets, target_lengths = to_device(batch, device, run.tok)
-        gen = torch.Generator().manual_seed(seed_of(batch))
+        waves, lengths, targets, target_lengths = to_device(batch, ctx.device, run.tok)
+        gen = torch.Generator().manual_seed(ctx.seed_of(batch))
         with torch.no_grad():
-            feats, feat_lengths = augmenters(waves, lengths, batch.sample_rate_hz, gen, train=cfg.train.augment)
+            feats, feat_lengths = ctx.augmenters(waves, lengths, batch.sample_rate_hz, gen,
+                                                 train=ctx.cfg.train.augment)
         longest = float(batch.durations_s.max()) if len(batch) else 0.0
-        it = _Item(batch, feats, feat_lengths, targets, target_lengths, bucket_of(table, longest), len(batch) == 0)
+        it = _Item(batch, feats, feat_lengths, targets, target_lengths, bucket_of(ctx.table, longest),
+                   len(batch) == 0)
         ok = None if it.empty else alignable(run.raw_model, feat_lengths, targets, target_lengths)
         if ok is not None and not bool(ok.all()):
             keep = ok.cpu()
             bad = [k for k, good in zip(batch.keys, keep.tolist()) if not good]
             dropped += len(bad)
             log.warning("rank %d: %d utterance(s) with targets longer than their output frames allow, not trained "
-                        "(epoch %d, batch %d): %s", world.rank, len(bad), batch.epoch, batch.step,
+                        "(epoch %d, batch %d): %s", ctx.world.rank, len(bad), batch.epoch, batch.step,
                         ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
             if bool(keep.any()):
                 it.feats, it.feat_lengths, it.targets, it.target_lengths = keep_utterances(
@@ -134,12 +135,11 @@ def _prepare(cfg: RunConfig, run, micro: list, world: World, device: torch.devic
     return items, dropped
 
 
-def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch.device, comm: Collectives,
-                   augmenters: Augmenters, seed_of: Callable[[Batch], int], *, table: Table | None,
-                   splits: SplitLevels, meter: MemoryMeter | None, fault: Callable[[], None]) -> StepResult:
-    """One optimiser step over `grad_accum_steps` micro-batches (module docstring); `fault` is the in-step
-    fault seam, called before the forward of each unsplit first attempt."""
-    items, dropped = _prepare(cfg, run, micro, world, device, augmenters, seed_of, table)
+def optimiser_step(ctx: StepContext, run, micro: list) -> StepResult:
+    """One optimiser step over `grad_accum_steps` (batch, loader state) micro-batches (module docstring); an OOM
+    split raises `run.splits` for the rest of the epoch."""
+    world, comm = ctx.world, ctx.comm
+    items, dropped = _prepare(ctx, run, micro)
     local_tokens = float(sum(0 if it.empty else it.targets.numel() for it in items))  # shape only: no sync
     local_samples = float(sum(0 if it.empty else len(it.feat_lengths) for it in items))
     global_tokens, global_samples, impossible = comm.sum([local_tokens, local_samples, float(dropped)])
@@ -159,20 +159,20 @@ def optimiser_step(cfg: RunConfig, run, micro: list, world: World, device: torch
                 log.debug("rank %d: batch %d of epoch %d is empty by plan; joining step %d with a silent dummy",
                           world.rank, it.batch.step, it.batch.epoch, run.step + 1)
         scale = world.world_size / global_tokens
-        if cfg.budget.oom_split:
-            loss = _accumulate_safe(cfg, run, items, world, device, comm, scale, splits, meter, fault, res)
+        if ctx.cfg.budget.oom_split:
+            loss = _accumulate_safe(ctx, run, items, scale, res)
             if world.world_size > 1:
                 all_reduce_grads(run.raw_model, world.world_size)
         else:
-            loss = _accumulate_ddp(cfg, run, items, device, scale, meter, res)
-        _apply_update(cfg, run, comm, loss, res)
+            loss = _accumulate_ddp(ctx, run, items, scale, res)
+        _apply_update(ctx, run, loss, res)
     else:  # the step counter and the LR schedule do not move for a step that saw no data (see trainer.Trainer._account)
         log.warning("step %d: no target tokens on any rank; optimiser step skipped", run.step + 1)
     run.optimizer.zero_grad(set_to_none=True)
     return res
 
 
-def _apply_update(cfg: RunConfig, run, comm: Collectives, loss: torch.Tensor, res: StepResult) -> None:
+def _apply_update(ctx: StepContext, run, loss: torch.Tensor, res: StepResult) -> None:
     """Unscale, clip and step, unless the loss or the gradients are not finite on some rank: then every rank skips
     the optimiser step. The gradients are the same on every rank after their all-reduce, the loss is this rank's:
     one all-reduce of two flags agrees on it (the per-step loss read syncs the device anyway). The scheduler
@@ -180,12 +180,12 @@ def _apply_update(cfg: RunConfig, run, comm: Collectives, loss: torch.Tensor, re
     gradient with a finite loss is loss-scale backoff, counted as `overflow`, never as a non-finite step."""
     run.scaler.unscale_(run.optimizer)  # a no-op without fp16
     grads = [p.grad for p in run.raw_model.parameters() if p.grad is not None]
-    if cfg.train.grad_clip_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.train.grad_clip_norm)
+    if ctx.cfg.train.grad_clip_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), ctx.cfg.train.grad_clip_norm)
     else:
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     res.loss = float(loss)  # device->host sync once per step
-    bad_loss, bad_grad = comm.max([float(not is_finite(res.loss)), float(not is_finite(norm))])
+    bad_loss, bad_grad = ctx.comm.max([float(not is_finite(res.loss)), float(not is_finite(norm))])
     scaling = run.scaler.is_enabled()
     res.nonfinite = bool(bad_loss) or (bool(bad_grad) and not scaling)
     res.overflow = bool(bad_grad) and scaling and not bad_loss
@@ -212,10 +212,11 @@ def _pieces(it: _Item, parts: int) -> Iterator[tuple[torch.Tensor, ...]]:
         yield (it.feats[a:b, :width], it.feat_lengths[a:b], it.targets[ends[a]:ends[b]], it.target_lengths[a:b])
 
 
-def _forward_backward(model, cfg: RunConfig, run, device: torch.device, piece: tuple[torch.Tensor, ...],
-                      empty: bool, scale: float, meter: MemoryMeter | None) -> torch.Tensor:
-    with meter.measure() if meter is not None else contextlib.nullcontext():
-        with autocast(cfg.train, device):
+def _forward_backward(ctx: StepContext, run, model: torch.nn.Module, piece: tuple[torch.Tensor, ...], empty: bool,
+                      scale: float) -> torch.Tensor:
+    """Forward and backward of one piece (`model`: run.model under DDP, else run.raw_model); its detached loss."""
+    with ctx.meter.measure() if ctx.meter is not None else contextlib.nullcontext():
+        with autocast(ctx.cfg.train, ctx.device):
             loss_sum, _, _ = model(*piece)
         if empty:
             loss_sum = loss_sum * 0.0  # dummy forward: joins the step, adds nothing
@@ -223,26 +224,24 @@ def _forward_backward(model, cfg: RunConfig, run, device: torch.device, piece: t
     return loss_sum.detach().float()
 
 
-def _accumulate_ddp(cfg: RunConfig, run, items: list[_Item], device: torch.device, scale: float,
-                    meter: MemoryMeter | None, res: StepResult) -> torch.Tensor:
+def _accumulate_ddp(ctx: StepContext, run, items: list[_Item], scale: float, res: StepResult) -> torch.Tensor:
     """The plain DDP accumulation: gradient all-reduce overlapped with the last micro-batch's backward."""
-    loss_acc = torch.zeros((), device=device)
+    meter = ctx.meter
+    loss_acc = torch.zeros((), device=ctx.device)
     for i, it in enumerate(items):
         last = i == len(items) - 1
         sync = contextlib.nullcontext() if last or not isinstance(run.model, DDP) else run.model.no_sync()
         with sync:
-            loss_acc += _forward_backward(run.model, cfg, run, device, next(_pieces(it, 1)), it.empty,
-                                          scale, meter)
+            loss_acc += _forward_backward(ctx, run, run.model, next(_pieces(it, 1)), it.empty, scale)
         if meter is not None:
             res.peaks.append((it.bucket, meter.take()))
     return loss_acc
 
 
-def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, device: torch.device,
-                     comm: Collectives, scale: float, splits: SplitLevels, meter: MemoryMeter | None,
-                     fault: Callable[[], None], res: StepResult) -> torch.Tensor:
+def _accumulate_safe(ctx: StepContext, run, items: list[_Item], scale: float, res: StepResult) -> torch.Tensor:
     """Forward + backward of every micro-batch without gradient sync, redone in more parts after an OOM on any
     rank until no rank fails (module docstring). Returns this rank's summed loss."""
+    world, device, meter, splits = ctx.world, ctx.device, ctx.meter, run.splits
     n, ws = len(items), world.world_size
     parts = [1 if it.empty else splits.get(it.batch.epoch, it.bucket) for it in items]
     todo, first, rounds = True, True, 0
@@ -255,9 +254,8 @@ def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, devi
                 for failed, it in enumerate(items):
                     for piece in _pieces(it, parts[failed]):
                         if first and parts[failed] == 1:
-                            fault()
-                        loss_acc += _forward_backward(run.raw_model, cfg, run, device, piece, it.empty,
-                                                      scale, meter)
+                            ctx.fault(run.step + 1)
+                        loss_acc += _forward_backward(ctx, run, run.raw_model, piece, it.empty, scale)
                     if meter is not None:
                         peaks.append((it.bucket, meter.take()))
                 todo = False
@@ -275,7 +273,7 @@ def _accumulate_safe(cfg: RunConfig, run, items: list[_Item], world: World, devi
                 run.optimizer.zero_grad(set_to_none=True)
                 free_after_oom(device)
         first = False
-        got = comm.sum(flags)  # every rank, every round: no rank runs ahead, DDP-free so nothing hangs
+        got = ctx.comm.sum(flags)  # every rank, every round: no rank runs ahead, DDP-free so nothing hangs
         if not any(got):
             return loss_acc
         if got[-1] > 0:

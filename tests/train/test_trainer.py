@@ -11,6 +11,7 @@ import torch
 
 from conftest import pack_subset
 from pipelines import load_pipeline
+from shardtrain.format.manifest import open_dataset
 from shardtrain.train.budget import write_budget
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.train.preempt import Preemption
@@ -49,6 +50,10 @@ def test_fit_runs_to_max_steps_and_returns_the_last_metrics(data, tmp_path):
     assert res["loss"] == losses[-1]["loss"] > 0 and res["checkpoint"].endswith("step_000005")
     assert res["nonfinite_steps"] == 0 and res["oom_splits"] == 0
     assert t.run.loader_state is not None and t.run.loader_state["counters"]["batches"] >= 5
+    # the ledger's content id comes from the loader's own manifest, and is the dataset's
+    attempt = json.loads(next((tmp_path / "ledger").glob("a*.json")).read_text())
+    assert attempt["datasets"] == [{"url": data, "weight": 1.0, "content": open_dataset(data).content_id}]
+    assert t.loader.content_ids == [open_dataset(data).content_id]
 
 
 def test_the_closed_loop_restarts_the_same_loader_with_the_moved_table(data, tmp_path):
@@ -56,13 +61,17 @@ def test_the_closed_loop_restarts_the_same_loader_with_the_moved_table(data, tmp
     table = [[2.5, 9.0], [4.5, 11.0], [6.0, 14.0]]
     write_budget(budget, {"budget_table": table, "memory_target_bytes": 1 << 40, "device": "cpu", "buckets": []})
     t = trainer(data, tmp_path / "run", 10, f"budget.file={budget}", "budget.memory_limit_mb=100000")
-    loader = t.loader
+    loader, ctx = t.loader, t.ctx
     assert t.closed.active and loader.cfg.bucket.budget_table == tuple(map(tuple, table))
+    assert ctx.cfg is t.cfg and ctx.table == t.closed.table and ctx.meter is t.mem is not None
     t.fit()
     evs = [r for r in rows(tmp_path / "run") if r.get("event") == "budget"]
     assert evs[0]["epoch"] == 1 and evs[0]["moves"], evs  # far under the limit: budgets move up
     moved = tuple(map(tuple, [ev for ev in evs if ev["moves"]][-1]["table"]))
     assert t.loader is loader, "the re-plan built another loader instead of restarting the trainer's"
     assert loader.cfg.bucket.budget_table == t.cfg.stream.bucket.budget_table == moved != tuple(map(tuple, table))
+    # the step's context was rebuilt with the moved config and table; the rest of it is the run's
+    assert t.ctx is not ctx and t.ctx.cfg is t.cfg and tuple(map(tuple, t.ctx.table)) == moved
+    assert (t.ctx.world, t.ctx.comm, t.ctx.augmenters, t.ctx.meter) == (ctx.world, ctx.comm, ctx.augmenters, ctx.meter)
     keys = [json.loads(x) for x in (tmp_path / "run" / "keys" / "rank00000.jsonl").read_text().splitlines()]
     assert any(k["epoch"] == 1 for k in keys) and t.run.loader_state["epoch"] >= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from pipelines import load_pipeline
@@ -13,7 +14,7 @@ from shardtrain.load.batch import Batch
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.train.runstate import RunState
 from shardtrain.train.schedule import augment_seed
-from shardtrain.train.step import Augmenters, Collectives
+from shardtrain.train.step import Augmenters, Collectives, StepContext
 from shardtrain.train.text import CharVocab
 from shardtrain.train.update import SplitLevels, StepResult, optimiser_step
 from shardtrain.world import World
@@ -36,15 +37,28 @@ def batch(texts: list[str], seconds: float = 1.0, rate: int = 16000, nan: bool =
 def setup(*extra: str):
     cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + list(extra))
     run = RunState.build(cfg, CharVocab(list(" abc")), CPU)
-    return cfg, run, Augmenters(cfg, CPU)
+    return cfg, run, StepContext(cfg, World(), CPU, Collectives(World(), CPU), Augmenters(cfg, CPU))
 
 
-def step(cfg, run, aug, micro) -> StepResult:
-    res = optimiser_step(cfg, run, [(b, {}) for b in micro], World(), CPU, Collectives(World(), CPU), aug,
-                         lambda b: augment_seed(cfg.train.seed, b.epoch, b.step, 0), table=None,
-                         splits=run.splits, meter=None, fault=lambda: None)
+def step(cfg, run, ctx, micro) -> StepResult:
+    res = optimiser_step(ctx, run, [(b, {}) for b in micro])
     run.step += 1
     return res
+
+
+def test_the_step_context_seeds_by_batch_and_rank_and_calls_the_fault_seam_per_micro_batch():
+    cfg, run, ctx = setup()
+    b = batch(["abc a", "cab"])
+    assert ctx.seed_of(b) == augment_seed(cfg.train.seed, 0, 0, 0)
+    ranked = dataclasses.replace(ctx, world=World(rank=1, world_size=2, local_rank=1))
+    assert ranked.seed_of(b) == augment_seed(cfg.train.seed, 0, 0, 1) != ctx.seed_of(b)
+    calls: list[int] = []
+    ctx = dataclasses.replace(ctx, fault=calls.append)
+    run.step = 6
+    res = step(cfg, run, ctx, [b, batch(["b c a"])])
+    assert calls == [7, 7] and res.samples == 3 and res.events == []  # once per unsplit micro-batch, the next step
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.cfg = cfg  # type: ignore[misc]
 
 
 def weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -52,9 +66,9 @@ def weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def test_steps_on_one_batch_lower_its_loss_and_move_the_schedule():
-    cfg, run, aug = setup()
+    cfg, run, ctx = setup()
     b = batch(["abc a", "cab", "b c a"])
-    results = [step(cfg, run, aug, [b]) for _ in range(12)]
+    results = [step(cfg, run, ctx, [b]) for _ in range(12)]
     losses = [r.loss / r.global_tokens for r in results]
     assert results[0].global_tokens == 13 and results[0].samples == 3 and not any(r.nonfinite for r in results)
     assert losses[-1] < 0.8 * losses[0], losses
@@ -62,21 +76,21 @@ def test_steps_on_one_batch_lower_its_loss_and_move_the_schedule():
 
 
 def test_a_non_finite_loss_skips_the_update_but_not_the_schedule():
-    cfg, run, aug = setup()
+    cfg, run, ctx = setup()
     before, lr_steps = weights(run.raw_model), run.scheduler.last_epoch
-    res = step(cfg, run, aug, [batch(["abc", "cab"], nan=True)])
+    res = step(cfg, run, ctx, [batch(["abc", "cab"], nan=True)])
     assert res.nonfinite and not res.overflow
     assert all(torch.equal(a, b) for a, b in zip(before, weights(run.raw_model)))  # weights untouched
     assert all(p.grad is None for p in run.raw_model.parameters())
     assert run.scheduler.last_epoch == lr_steps + 1
-    res = step(cfg, run, aug, [batch(["abc", "cab"])])  # the next finite step trains again
+    res = step(cfg, run, ctx, [batch(["abc", "cab"])])  # the next finite step trains again
     assert not res.nonfinite and not all(torch.equal(a, b) for a, b in zip(before, weights(run.raw_model)))
 
 
 def test_no_sample_anywhere_is_no_step():
-    cfg, run, aug = setup()
+    cfg, run, ctx = setup()
     before, lr_steps = weights(run.raw_model), run.scheduler.last_epoch
-    res = step(cfg, run, aug, [batch([])])
+    res = step(cfg, run, ctx, [batch([])])
     assert res.global_tokens == 0 and res.samples == 0 and res.loss == 0.0
     assert run.scheduler.last_epoch == lr_steps  # the caller does not count it; nothing moved
     assert all(torch.equal(a, b) for a, b in zip(before, weights(run.raw_model)))
