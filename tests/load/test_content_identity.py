@@ -87,3 +87,16 @@ def test_ledger_after_a_same_layout_repack_is_refused_in_one_line(tmp_path, caps
     assert main(["ledger", str(run)]) == 1
     err = capsys.readouterr().err.strip().splitlines()  # the re-pack's own log lines come first
     assert err[-1].startswith("ledger: error: ") and "changed since attempt" in err[-1] and out in err[-1]
+
+
+def test_a_loader_names_each_datasets_content_id_in_source_order(tmp_path):
+    """Loader.content_ids: what the trainer's ledger records, from the manifests the planner opened."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for out, seed in ((a, 3), (b, 4)):
+        corpus = make_corpus(tmp_path / f"corpus{seed}", DURS, fmt="wav", seed=seed)
+        pack(PackConfig(input=str(corpus), output=out, audio=AudioTarget(codec="wav"), max_samples_per_shard=6,
+                        progress=False))
+    ids = [open_dataset(a).content_id, open_dataset(b).content_id]
+    assert ids[0] != ids[1]
+    assert build_loader(a, world=World(), seed=0, cfg=CFG).content_ids == ids[:1]
+    assert build_loader([(b, 1.0), (a, 2.0)], world=World(), seed=0, cfg=CFG).content_ids == ids[::-1]
