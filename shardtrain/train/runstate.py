@@ -6,7 +6,8 @@
       -> rank_state() / main_state(closed loop): what every rank / rank 0 writes into the next checkpoint
 
 Kept apart from the trainer (train/trainer.py) so the trainer reads as the step loop alone; the state's fields are
-what update.py's optimiser step uses (`tok`, `raw_model`, `model`, `optimizer`, `scheduler`, `scaler`, `step`).
+what update.py's optimiser step uses (`tok`, `raw_model`, `model`, `optimizer`, `scheduler`, `scaler`, `step`,
+`splits`); what stays fixed over the run is in its StepContext (train/step.py).
 """
 from __future__ import annotations
 
