@@ -2,7 +2,9 @@
 
     engine.scan(parts)  -> [PartScan]      runs scan.scan_part per SourcePart; records stay with the engine
     engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate-id rejects)
-    engine.write(specs) -> markers         runs shard_task.write_shard per planned shard, any order
+    engine.write(specs) -> markers         runs shard_task.write_shard per planned shard, any order (LocalEngine's
+                                           pool: its two halves, encode_slice per slice of a shard in the workers,
+                                           finish_shard per shard in the driver)
 
 Both engines call the same task functions (scan_part, write_shard) on the same inputs; everything that decides
 bytes (listing order, keys, the sort, shard names and contents) is decided by plan.py from the scans, so the
@@ -33,7 +35,7 @@ import numpy as np
 from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
-from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, publish_marker, write_shard
+from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, encode_slice, finish_shard, write_shard
 from shardtrain.pack.parts import SourcePart
 
 if TYPE_CHECKING:
@@ -54,8 +56,6 @@ class WriteJob:
     target: AudioTarget
     fingerprint: str
     strict: bool
-    defer_sync: bool = False
-    """ShardTask.defer_sync; LocalEngine.write sets it for its pool."""
 
 
 class Engine(Protocol):
@@ -75,13 +75,28 @@ def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tup
         item, info, duration_s, est = records(p, r)
         samples.append(PlannedSample(key=key, item=item, info=info, duration_s=duration_s, est_bytes=est))
     return ShardTask(shard=spec.shard, output=job.output, storage_options=job.storage_options, samples=samples,
-                     target=job.target, fingerprint=job.fingerprint, strict=job.strict, defer_sync=job.defer_sync)
+                     target=job.target, fingerprint=job.fingerprint, strict=job.strict)
 
 
 # ---- local ----------------------------------------------------------------------------------------------------
-def _publish(job: WriteJob, marker: dict) -> dict:
-    publish_marker(job.output, job.storage_options, marker)
-    return marker
+SLICE_BYTES = 2 << 20
+"""Estimated encoded audio per slice of a shard in the local pool (LocalEngine.write): ~30 FLAC files of 10 s,
+~50 ms of one core's decode check; small enough that 2,000 files make ~60 slices (both workers busy to the end),
+large enough that a slice's hand-off (~1 ms) is noise."""
+
+
+def slices(samples: list[PlannedSample], target: int = SLICE_BYTES) -> list[tuple[int, int]]:
+    """[start, stop) bounds cutting `samples` (plan order) into runs of about `target` estimated bytes (at least
+    one sample each). Only how work is spread: the output does not depend on it."""
+    bounds, start, acc = [], 0, 0
+    for i, s in enumerate(samples):
+        acc += s.est_bytes
+        if acc >= target:
+            bounds.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(samples) or not samples:
+        bounds.append((start, len(samples)))
+    return bounds
 
 
 def _scan_task(job: tuple) -> tuple[PartScan, list]:
@@ -172,28 +187,50 @@ class LocalEngine:
         return self._records[part][row]
 
     def write(self, job: WriteJob, specs: Iterable[ShardSpec], count: int) -> Iterator[dict]:
-        """Markers of written shards, each yielded once its shard is on disk and the marker written.
+        """Markers of written shards, each yielded once its shard is on disk and its marker written.
 
-        With the pool, workers only write (defer_sync) and one thread here fsyncs each finished shard and writes
-        its marker (publish_marker) while the workers go on with the next shards: the disk's wait overlaps their
-        CPU work instead of idling a core. Costs nothing when a worker dies: a shard without its marker is
-        written again by the re-run."""
-        if self.workers == 1 or count <= 1:
+        With the pool the unit of work is a slice of a shard (~SLICE_BYTES of estimated audio, `slices`), not a
+        shard: the workers run shard_task.encode_slice (read, decode check or transcode: the expensive part) and
+        one thread here runs finish_shard for each shard whose slices are all back (sort, tar, sha256, fsync,
+        marker) while the workers go on. Why: with a task per shard, a corpus of one shard ran on one core (a
+        2,000-file pack took ~2x a 2-process decode of the same audio) and any corpus ended with the last
+        shards' tail on fewer cores than it has; slices keep every worker decoding from the first file.
+
+        The output is the same bytes: finish_shard sorts the whole shard and keeps the plan order of rejects,
+        however it was sliced. Costs: each encoded sample is pickled back to this process (one extra copy of
+        the shard bytes, ~0.1 s per 100 MB here), and this process holds the encoded audio of the shards whose
+        slices are in flight: at most 2 slices per worker are, in plan order, so about one shard
+        (~target_shard_mb) plus 2 x workers x SLICE_BYTES, not the corpus. The one writing thread hashes and
+        writes every shard: ~0.5-1 GB/s here, more than ~8 decode-checking workers produce. A worker that dies
+        costs nothing: a shard without its marker is written again by the re-run."""
+        if self.workers == 1:
             for t in (shard_task(job, s, self._record) for s in specs):
                 yield write_shard(t)
             return
-        job = replace(job, defer_sync=True)
-        published: deque[Future] = deque()
-        # Leaving the `with` (an error included) waits for the queued publishes: shards written so far keep
-        # their markers, and a re-run writes only the rest.
-        with ThreadPoolExecutor(1, thread_name_prefix="pack-publish") as publisher:
-            for marker in self._bounded(write_shard, (shard_task(job, s, self._record) for s in specs),
-                                        "writing shards"):
-                published.append(publisher.submit(_publish, job, marker))
-                while published and published[0].done():
-                    yield published.popleft().result()
-            while published:
-                yield published.popleft().result()
+        open_shards: dict[int, list] = {}  # shard -> [task, slices left, slice results]
+
+        def slice_jobs() -> Iterator[tuple[ShardTask, int]]:
+            for spec in specs:
+                task = shard_task(job, spec, self._record)
+                bounds = slices(task.samples)
+                open_shards[task.shard] = [task, len(bounds), []]
+                yield from ((replace(task, samples=task.samples[a:b]), a) for a, b in bounds)
+
+        written: deque[Future] = deque()
+        # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came back
+        # are written with their markers, and a re-run writes only the rest.
+        with ThreadPoolExecutor(1, thread_name_prefix="pack-finish") as writer:
+            for res in self._bounded(encode_slice, slice_jobs(), "writing shards"):
+                entry = open_shards[res[0]]
+                entry[1] -= 1
+                entry[2].append(res)
+                if not entry[1]:
+                    del open_shards[res[0]]
+                    written.append(writer.submit(finish_shard, entry[0], entry[2]))
+                while written and written[0].done():
+                    yield written.popleft().result()
+            while written:
+                yield written.popleft().result()
 
     def close(self) -> None:
         self._records.clear()
