@@ -85,7 +85,7 @@ SLICE_BYTES = 2 << 20
 large enough that a slice's hand-off (~1 ms) is noise."""
 
 
-def slices(samples: list[PlannedSample], target: int = SLICE_BYTES) -> list[tuple[int, int]]:
+def slices(samples: list[PlannedSample], target: int) -> list[tuple[int, int]]:
     """[start, stop) bounds cutting `samples` (plan order) into runs of about `target` estimated bytes (at least
     one sample each). Only how work is spread: the output does not depend on it."""
     bounds, start, acc = [], 0, 0
@@ -212,7 +212,7 @@ class LocalEngine:
         def slice_jobs() -> Iterator[tuple[ShardTask, int]]:
             for spec in specs:
                 task = shard_task(job, spec, self._record)
-                bounds = slices(task.samples)
+                bounds = slices(task.samples, SLICE_BYTES)
                 open_shards[task.shard] = [task, len(bounds), []]
                 yield from ((replace(task, samples=task.samples[a:b]), a) for a, b in bounds)
 
