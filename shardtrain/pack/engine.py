@@ -132,7 +132,7 @@ class LocalEngine:
         only once the input is listed: started here, the two overlap, and `scan` scans in this process until
         every worker is up (`_up`). Errors surface at the first real task, as before."""
         ex = self._executor()
-        self._up = threading.Event()
+        up = self._up = threading.Event()
 
         def start() -> None:
             try:
@@ -140,7 +140,7 @@ class LocalEngine:
             except (RuntimeError, BrokenProcessPool):  # shut down or broken meanwhile: the real tasks report it
                 pass
             finally:
-                self._up.set()
+                up.set()
 
         threading.Thread(target=start, name="pack-pool-start", daemon=True).start()
 
@@ -192,10 +192,10 @@ class LocalEngine:
                 take(scan_part(cfg, part))
             return scans
         while self._up is not None and not self._up.is_set():
-            part = next(it, None)
-            if part is None:
+            nxt = next(it, None)
+            if nxt is None:
                 return scans
-            take(scan_part(cfg, part))
+            take(scan_part(cfg, nxt))
         log.debug("scanned %d parts in the driver while the pool started", len(scans))
         for result in self._bounded(_scan_task, ((cfg, p) for p in it), "scanning the input"):
             take(result)
