@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
+from shardtrain import storage
 from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
@@ -83,6 +84,11 @@ SLICE_BYTES = 2 << 20
 """Estimated encoded audio per slice of a shard in the local pool (LocalEngine.write): ~30 FLAC files of 10 s,
 ~50 ms of one core's decode check; small enough that 2,000 files make ~60 slices (both workers busy to the end),
 large enough that a slice's hand-off (~1 ms) is noise."""
+
+
+REMOTE_FINISHERS = 4
+"""Threads finishing shards in LocalEngine.write for a remote OUTPUT (each uploads a whole shard: I/O, not CPU);
+a local OUTPUT has one (tar and sha256 of ~1 GB/s here)."""
 
 
 def slices(samples: list[PlannedSample], target: int) -> list[tuple[int, int]]:
@@ -218,12 +224,14 @@ class LocalEngine:
         shards' tail on fewer cores than it has; slices keep every worker decoding from the first file.
 
         The output is the same bytes: finish_shard sorts the whole shard and keeps the plan order of rejects,
-        however it was sliced. Costs: each encoded sample is pickled back to this process (one extra copy of
-        the shard bytes, ~0.1 s per 100 MB here), and this process holds the encoded audio of the shards whose
-        slices are in flight: at most 2 slices per worker are, in plan order, so about one shard
-        (~target_shard_mb) plus 2 x workers x SLICE_BYTES, not the corpus. The one writing thread hashes and
-        writes every shard: ~0.5-1 GB/s here, more than ~8 decode-checking workers produce. A worker that dies
-        costs nothing: a shard without its marker is written again by the re-run."""
+        however it was sliced. Costs: each encoded sample is pickled back to this process (one more copy of the
+        shard bytes, ~0.1 s per 100 MB here). This process holds the encoded audio of the shards with a slice in
+        flight (at most 2 slices per worker are, in plan order: one or two shards of ~target_shard_mb when a
+        shard spans more slices than that, else 2 x workers small ones) plus at most `finishers` + 1 finished
+        shards queued for the finishing threads (a full queue stops new slices); never the corpus. One
+        finishing thread tars, hashes and writes every local shard (~0.5-1 GB/s here, more than ~8
+        decode-checking workers produce); a remote OUTPUT gets REMOTE_FINISHERS (whole-shard uploads). A worker
+        that dies costs nothing: a shard without its marker is written again by the re-run."""
         if self.workers == 1:
             for t in (shard_task(job, s, self._record) for s in specs):
                 yield write_shard(t)
@@ -237,10 +245,11 @@ class LocalEngine:
                 open_shards[task.shard] = [task, len(bounds), []]
                 yield from ((replace(task, samples=task.samples[a:b]), a) for a, b in bounds)
 
+        finishers = 1 if storage.is_local(job.output) else min(self.workers, REMOTE_FINISHERS)
         written: deque[Future] = deque()
         # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came back
         # are written with their markers, and a re-run writes only the rest.
-        with ThreadPoolExecutor(1, thread_name_prefix="pack-finish") as writer:
+        with ThreadPoolExecutor(finishers, thread_name_prefix="pack-finish") as writer:
             for res in self._bounded(encode_slice, slice_jobs(), "writing shards"):
                 entry = open_shards[res[0]]
                 entry[1] -= 1
@@ -248,8 +257,8 @@ class LocalEngine:
                 if not entry[1]:
                     del open_shards[res[0]]
                     written.append(writer.submit(finish_shard, entry[0], entry[2]))
-                while written and written[0].done():
-                    yield written.popleft().result()
+                while written and (written[0].done() or len(written) > finishers + 1):
+                    yield written.popleft().result()  # a full queue waits here: no slice is submitted meanwhile
             while written:
                 yield written.popleft().result()
 
