@@ -81,9 +81,9 @@ def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tup
 
 # ---- local ----------------------------------------------------------------------------------------------------
 SLICE_BYTES = 2 << 20
-"""Estimated encoded audio per slice of a shard in the local pool (LocalEngine.write): ~30 FLAC files of 10 s,
-~50 ms of one core's decode check; small enough that 2,000 files make ~60 slices (both workers busy to the end),
-large enough that a slice's hand-off (~1 ms) is noise."""
+"""Estimated encoded audio per slice of a shard in the local pool (LocalEngine.write): ~30 speech FLAC files of
+~3 s, ~30 ms of one core's read and decode check here; small enough that 2,000 such files make ~60 slices (every
+worker busy to the end), large enough that a slice's hand-off (~1 ms) is noise."""
 
 
 REMOTE_FINISHERS = 4

@@ -225,8 +225,7 @@ def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict], list[dict]]:
 
 def _write_tar(task: ShardTask, name: str, encoded: list[tuple]) -> tuple[list[dict], int, str]:
     """Stream the tar to a temp file (OUTPUT/_work locally, the system temp folder for a remote OUTPUT), fsync it,
-    publish it atomically (rename, or one whole-object upload);
-    returns (index rows, bytes, sha256)."""
+    publish it atomically (rename, or one whole-object upload); returns (index rows, bytes, sha256)."""
     from shardtrain import storage
 
     url = storage.join(task.output, name)
