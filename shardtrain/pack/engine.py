@@ -138,7 +138,7 @@ class LocalEngine:
         only once the input is listed: started here, the two overlap, and `scan` scans in this process until
         every worker is up (`_up`). Errors surface at the first real task, as before."""
         ex = self._executor()
-        up = self._up = threading.Event()
+        self._up = threading.Event()
 
         def start() -> None:
             try:
@@ -146,7 +146,7 @@ class LocalEngine:
             except (RuntimeError, BrokenProcessPool):  # shut down or broken meanwhile: the real tasks report it
                 pass
             finally:
-                up.set()
+                self._up.set()
 
         threading.Thread(target=start, name="pack-pool-start", daemon=True).start()
 
@@ -198,10 +198,10 @@ class LocalEngine:
                 take(scan_part(cfg, part))
             return scans
         while self._up is not None and not self._up.is_set():
-            nxt = next(it, None)
-            if nxt is None:
+            part = next(it, None)
+            if part is None:
                 return scans
-            take(scan_part(cfg, nxt))
+            take(scan_part(cfg, part))
         log.debug("scanned %d parts in the driver while the pool started", len(scans))
         for result in self._bounded(_scan_task, ((cfg, p) for p in it), "scanning the input"):
             take(result)

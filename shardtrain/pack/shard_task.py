@@ -2,14 +2,14 @@
 
     ShardTask(shard, samples, target, fingerprint) -> encode each sample (keep or transcode, decode check)
       -> sort by (stored duration, key) -> ShardWriter into a temp file -> rename / whole-object PUT
-      -> fsync (locally) -> publish_marker: OUTPUT/_work/shard-NNNNNN.json (index rows, rejects, ShardInfo): the
-         engine's proof that the shard is done and on disk (by whoever runs finish_shard: the task, or
-         LocalEngine's driver while its workers encode the next slices)
+      -> publish_marker: fsync the shard (locally), then OUTPUT/_work/shard-NNNNNN.json (index rows, rejects,
+         ShardInfo): the engine's proof that the shard is done and on disk (in the task, or with `defer_sync` in
+         the driver, while the workers encode the next shards)
 
-Runs in a pool worker or a Ray task; everything it needs is in the task, so a retry rewrites the same bytes.
-The task has two halves: encode_slice (the expensive part: read, decode check or transcode) and finish_shard
-(sort, tar, hash, publish); write_shard runs both, LocalEngine's pool runs encode_slice on slices of shards in
-its workers and finish_shard in its driver (engine.py says why).
+Runs in a pool worker or a Ray task; everything it needs is in the task, so a retry rewrites the same bytes. The task has
+two halves: encode_slice (the expensive part: read, decode check or transcode) and finish_shard (sort, tar, hash,
+publish); write_shard runs both, LocalEngine's pool runs encode_slice on slices of shards and finish_shard in
+its driver (engine.py says why).
 """
 from __future__ import annotations
 
@@ -88,6 +88,11 @@ class ShardTask:
     target: AudioTarget
     fingerprint: str
     strict: bool = False
+    defer_sync: bool = False
+    """The task neither fsyncs its local shard nor writes the done-marker: it returns the marker and the driver
+    publishes it (`publish_marker`). Why: an fsync is a wait for the disk (~40 ms per 16 MB here) that idled a
+    worker's core; both workers often waited at once (a --no-decode-check pack's write phase 0.8-0.9 s without
+    the waits against 1.1-1.35 s with them). Only for a driver on the machine that wrote the file (LocalEngine)."""
 
 
 def marker_name(i: int) -> str:
@@ -149,7 +154,7 @@ def encode_slice(job: tuple[ShardTask, int]) -> tuple[int, int, tuple]:
 
 def finish_shard(task: ShardTask, slices: list[tuple[int, int, tuple]]) -> dict:
     """The cheap half of a shard task: encode_slice results covering `task.samples` (any order) -> sort by
-    (stored duration_s, key) -> tar -> sha256 -> fsync -> publish -> done-marker. Rejects and clipped
+    (stored duration_s, key) -> tar -> sha256 -> publish (and the marker unless defer_sync). Rejects and clipped
     notes keep plan order (the slices' order), so the marker is the same however the shard was sliced."""
     encoded, rejects, clipped = [], [], []
     for _, first, (ok, rej, clip) in sorted(slices, key=lambda s: s[1]):
@@ -171,19 +176,22 @@ def finish_shard(task: ShardTask, slices: list[tuple[int, int, tuple]]) -> dict:
         "rejects": rejects,
         "clipped": clipped,
     }
-    publish_marker(task.output, task.storage_options, marker)
+    if not task.defer_sync:
+        publish_marker(task.output, task.storage_options, marker, synced=True)
     return marker
 
 
-def publish_marker(output: str, storage_options: dict | None, marker: dict) -> None:
-    """Write the done-marker `_work/shard-NNNNNN.json` (atomic, fsynced) of a shard already durable (_write_tar
-    fsyncs a local shard before its rename; a remote shard was one whole-object PUT, durable when it returned).
+def publish_marker(output: str, storage_options: dict | None, marker: dict, synced: bool = False) -> None:
+    """Make a written shard durable, then write its done-marker `_work/shard-NNNNNN.json` (atomic, fsynced).
 
     The order is the resume guarantee: a marker exists only for a shard whose bytes reached the disk first, so a
     re-run after a crash (power loss included) never trusts a shard the crash cut short; a shard without its
-    marker is written again."""
+    marker is written again. `synced`: the task fsynced the shard already. A remote shard was one whole-object
+    PUT, durable when the PUT returned."""
     from shardtrain import storage
 
+    if not synced:
+        storage.sync(storage.join(output, marker["info"]["name"]), storage_options)
     storage.atomic_write_bytes(storage.join(output, "_work/" + marker_name(marker["shard"])),
                                json.dumps(marker, sort_keys=True).encode(), storage_options)
 
@@ -224,8 +232,9 @@ def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict], list[dict]]:
 
 
 def _write_tar(task: ShardTask, name: str, encoded: list[tuple]) -> tuple[list[dict], int, str]:
-    """Stream the tar to a temp file (OUTPUT/_work locally, the system temp folder for a remote OUTPUT), fsync it,
-    publish it atomically (rename, or one whole-object upload); returns (index rows, bytes, sha256)."""
+    """Stream the tar to a temp file (OUTPUT/_work locally, the system temp folder for a remote OUTPUT), fsync it
+    (unless `defer_sync`: publish_marker does), publish it atomically (rename, or one whole-object upload);
+    returns (index rows, bytes, sha256)."""
     from shardtrain import storage
 
     url = storage.join(task.output, name)
@@ -251,7 +260,8 @@ def _write_tar(task: ShardTask, name: str, encoded: list[tuple]) -> tuple[list[d
                 })
             w.close()
             f.flush()
-            os.fsync(f.fileno())
+            if not task.defer_sync:
+                os.fsync(f.fileno())
         storage.commit_local_file(tmp, url, task.storage_options)
     finally:
         if os.path.exists(tmp):

@@ -375,7 +375,7 @@ def test_index_streamed_in_row_groups_equals_index_bytes(monkeypatch, tmp_path):
     assert (tmp_path / index.INDEX).read_bytes() == index.index_bytes(index.index_table(rows))
 
 
-def _one_shard_task(corpus: Path, out: Path):
+def _one_shard_task(corpus: Path, out: Path, defer_sync: bool):
     from shardtrain.pack.probe import probe
     from shardtrain.pack.shard_task import PlannedSample, ShardTask
     from shardtrain.pack.sources import Item
@@ -386,24 +386,28 @@ def _one_shard_task(corpus: Path, out: Path):
         samples.append(PlannedSample(key=f"k{i}", item=Item(id=path.stem, audio=str(path), text="t"), info=info,
                                      duration_s=info.duration_s, est_bytes=path.stat().st_size))
     return ShardTask(shard=0, output=str(out), storage_options=None, samples=samples, target=AudioTarget(),
-                     fingerprint="f" * 64)
+                     fingerprint="f" * 64, defer_sync=defer_sync)
 
 
-def test_done_marker_written_after_the_shard(corpus, tmp_path):
-    """A shard task writes its shard (fsynced, renamed), then its done-marker, so that a marker never exists for a
-    shard that is not yet on disk; the marker holds what the task returned."""
-    from shardtrain.pack.shard_task import marker_name, write_shard
+@pytest.mark.parametrize("defer_sync", [False, True])
+def test_done_marker_written_only_by_whoever_syncs_the_shard(corpus, tmp_path, defer_sync):
+    """A pool's shard task leaves the fsync and the done-marker to the driver (publish_marker), so that a marker
+    never exists for a shard that is not yet on disk; a task on its own does both."""
+    from shardtrain.pack.shard_task import marker_name, publish_marker, write_shard
 
     out = tmp_path / "out"
-    marker = write_shard(_one_shard_task(corpus, out))
+    marker = write_shard(_one_shard_task(corpus, out, defer_sync))
     tar, done = out / marker["info"]["name"], out / "_work" / marker_name(0)
     assert tar.stat().st_size == marker["info"]["bytes"] and marker["info"]["samples"] == 3
+    assert done.exists() is not defer_sync
+    if defer_sync:
+        publish_marker(str(out), None, marker)
     assert json.loads(done.read_text()) == json.loads(json.dumps(marker, sort_keys=True))
 
 
 def test_pool_pack_publishes_every_marker_before_commit(corpus, tmp_path, monkeypatch):
-    """With 2 workers every shard's marker is written by the driver's finishing thread (the workers encode
-    slices) and each is on disk before the packer sees the shard as done."""
+    """With 2 workers every shard's marker is written by the driver's publisher (the tasks defer it) and each
+    is on disk before the packer sees the shard as done."""
     from shardtrain.pack import engine
 
     seen: list[tuple[int, bool]] = []
