@@ -3,8 +3,8 @@
     engine.scan(parts)  -> [PartScan]      runs scan.scan_part per SourcePart; records stay with the engine
     engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate-id rejects)
     engine.write(specs) -> markers         runs shard_task.write_shard per planned shard, any order (LocalEngine's
-                                           pool: its two halves, encode_slice per slice of a shard in the workers,
-                                           finish_shard per shard in the driver)
+                                           pool, for its last shards: its two halves, encode_slice per slice of a
+                                           shard in the workers, finish_shard in the driver)
 
 Both engines call the same task functions (scan_part, write_shard) on the same inputs; everything that decides
 bytes (listing order, keys, the sort, shard names and contents) is decided by plan.py from the scans, so the
@@ -36,7 +36,8 @@ from shardtrain import storage
 from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
-from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, encode_slice, finish_shard, write_shard
+from shardtrain.pack.shard_task import (PackError, PlannedSample, ShardTask, finish_shard, publish_marker, shard_work,
+                                        write_shard)
 from shardtrain.pack.parts import SourcePart
 
 if TYPE_CHECKING:
@@ -69,14 +70,15 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tuple]) -> ShardTask:
+def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tuple],
+               defer_sync: bool = False) -> ShardTask:
     """The ShardTask of one spec; `records(part, row)` -> (Item, AudioInfo, duration_s, est_bytes)."""
     samples = []
     for p, r, key in zip(spec.parts.tolist(), spec.rows.tolist(), spec.keys):
         item, info, duration_s, est = records(p, r)
         samples.append(PlannedSample(key=key, item=item, info=info, duration_s=duration_s, est_bytes=est))
     return ShardTask(shard=spec.shard, output=job.output, storage_options=job.storage_options, samples=samples,
-                     target=job.target, fingerprint=job.fingerprint, strict=job.strict)
+                     target=job.target, fingerprint=job.fingerprint, strict=job.strict, defer_sync=defer_sync)
 
 
 # ---- local ----------------------------------------------------------------------------------------------------
@@ -89,6 +91,21 @@ worker busy to the end), large enough that a slice's hand-off (~1 ms) is noise."
 REMOTE_FINISHERS = 4
 """Threads finishing shards in LocalEngine.write for a remote OUTPUT (each uploads a whole shard: I/O, not CPU);
 a local OUTPUT has one (tar and sha256 of ~1 GB/s here)."""
+
+
+TAIL_SHARDS = 2
+"""LocalEngine.write slices the last TAIL_SHARDS x workers shards of a pack (all of them when it has fewer); the
+shards before go to a worker whole."""
+
+
+def _publish(job: WriteJob, marker: dict) -> dict:
+    publish_marker(job.output, job.storage_options, marker)
+    return marker
+
+
+def _finish(job: WriteJob, task: ShardTask, parts: list) -> dict:
+    """A sliced shard, in the driver: tar, sha256, rename (finish_shard, deferring the fsync), fsync, marker."""
+    return _publish(job, finish_shard(task, parts))
 
 
 def slices(samples: list[PlannedSample], target: int) -> list[tuple[int, int]]:
@@ -138,7 +155,7 @@ class LocalEngine:
         only once the input is listed: started here, the two overlap, and `scan` scans in this process until
         every worker is up (`_up`). Errors surface at the first real task, as before."""
         ex = self._executor()
-        self._up = threading.Event()
+        up = self._up = threading.Event()
 
         def start() -> None:
             try:
@@ -146,7 +163,7 @@ class LocalEngine:
             except (RuntimeError, BrokenProcessPool):  # shut down or broken meanwhile: the real tasks report it
                 pass
             finally:
-                self._up.set()
+                up.set()
 
         threading.Thread(target=start, name="pack-pool-start", daemon=True).start()
 
@@ -198,10 +215,10 @@ class LocalEngine:
                 take(scan_part(cfg, part))
             return scans
         while self._up is not None and not self._up.is_set():
-            part = next(it, None)
-            if part is None:
+            nxt = next(it, None)
+            if nxt is None:
                 return scans
-            take(scan_part(cfg, part))
+            take(scan_part(cfg, nxt))
         log.debug("scanned %d parts in the driver while the pool started", len(scans))
         for result in self._bounded(_scan_task, ((cfg, p) for p in it), "scanning the input"):
             take(result)
@@ -216,31 +233,36 @@ class LocalEngine:
     def write(self, job: WriteJob, specs: Iterable[ShardSpec], count: int) -> Iterator[dict]:
         """Markers of written shards, each yielded once its shard is on disk and its marker written.
 
-        With the pool the unit of work is a slice of a shard (~SLICE_BYTES of estimated audio, `slices`), not a
-        shard: the workers run shard_task.encode_slice (read, decode check or transcode: the expensive part) and
-        one thread here runs finish_shard for each shard whose slices are all back (sort, tar, sha256, fsync,
-        marker) while the workers go on. Why: with a task per shard, a corpus of one shard ran on one core (a
-        2,000-file pack took ~2x a 2-process decode of the same audio) and any corpus ended with the last
-        shards' tail on fewer cores than it has; slices keep every worker decoding from the first file.
+        With the pool, the last TAIL_SHARDS x workers shards (all of them in a small pack) are cut into slices
+        of ~SLICE_BYTES of estimated audio (`slices`): the workers run shard_task.encode_slice on them (read,
+        decode check or transcode: the expensive part) and a thread here runs finish_shard once all slices of a
+        shard are back (sort, tar, sha256, fsync, marker). The shards before go to a worker whole (write_shard,
+        leaving fsync and marker to a thread here: an fsync is a wait for the disk, ~40 ms per 16 MB, that idled
+        a worker's core). Why slices: with a task per shard a corpus of one shard ran on one core (a 2,000-file
+        pack took ~2x a 2-process decode of the same audio) and every pack ended with its last shards on fewer
+        cores than it has; sliced, every worker decodes from the first file to the last. Why only the tail: a
+        slice's samples come back pickled (one more copy of its bytes, ~0.1 s per 100 MB here) and are tarred
+        and hashed by one thread here, which whole shards do in the workers.
 
         The output is the same bytes: finish_shard sorts the whole shard and keeps the plan order of rejects,
-        however it was sliced. Costs: each encoded sample is pickled back to this process (one more copy of the
-        shard bytes, ~0.1 s per 100 MB here). This process holds the encoded audio of the shards with a slice in
-        flight (at most 2 slices per worker are, in plan order: one or two shards of ~target_shard_mb when a
-        shard spans more slices than that, else 2 x workers small ones) plus at most `finishers` + 1 finished
-        shards queued for the finishing threads (a full queue stops new slices); never the corpus. One
-        finishing thread tars, hashes and writes every local shard (~0.5-1 GB/s here, more than ~8
-        decode-checking workers produce); a remote OUTPUT gets REMOTE_FINISHERS (whole-shard uploads). A worker
-        that dies costs nothing: a shard without its marker is written again by the re-run."""
+        however it was sliced. Memory here: the encoded audio of the sliced shards with a slice in flight (at
+        most 2 tasks per worker are, in plan order: one or two shards of ~target_shard_mb, or 2 x workers
+        smaller ones) plus at most `finishers` + 1 shards queued for the finishing threads (a full queue stops
+        new work); never the corpus. A remote OUTPUT gets REMOTE_FINISHERS of them (whole-shard uploads). A
+        worker that dies costs nothing: a shard without its marker is written again by the re-run."""
         if self.workers == 1:
             for t in (shard_task(job, s, self._record) for s in specs):
                 yield write_shard(t)
             return
         open_shards: dict[int, list] = {}  # shard -> [task, slices left, slice results]
+        whole = count - TAIL_SHARDS * self.workers  # shards before this one go to a worker whole
 
-        def slice_jobs() -> Iterator[tuple[ShardTask, int]]:
-            for spec in specs:
-                task = shard_task(job, spec, self._record)
+        def work() -> Iterator[tuple[ShardTask, int | None]]:
+            for k, spec in enumerate(specs):
+                task = shard_task(job, spec, self._record, defer_sync=True)
+                if k < whole:
+                    yield task, None
+                    continue
                 bounds = slices(task.samples, SLICE_BYTES)
                 open_shards[task.shard] = [task, len(bounds), []]
                 yield from ((replace(task, samples=task.samples[a:b]), a) for a, b in bounds)
@@ -250,15 +272,18 @@ class LocalEngine:
         # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came back
         # are written with their markers, and a re-run writes only the rest.
         with ThreadPoolExecutor(finishers, thread_name_prefix="pack-finish") as writer:
-            for res in self._bounded(encode_slice, slice_jobs(), "writing shards"):
-                entry = open_shards[res[0]]
-                entry[1] -= 1
-                entry[2].append(res)
-                if not entry[1]:
-                    del open_shards[res[0]]
-                    written.append(writer.submit(finish_shard, entry[0], entry[2]))
+            for shard, first, result in self._bounded(shard_work, work(), "writing shards"):
+                if first is None:  # a whole shard, written by its worker: fsync and marker here
+                    written.append(writer.submit(_publish, job, result))
+                else:
+                    entry = open_shards[shard]
+                    entry[1] -= 1
+                    entry[2].append((shard, first, result))
+                    if not entry[1]:
+                        del open_shards[shard]
+                        written.append(writer.submit(_finish, job, entry[0], entry[2]))
                 while written and (written[0].done() or len(written) > finishers + 1):
-                    yield written.popleft().result()  # a full queue waits here: no slice is submitted meanwhile
+                    yield written.popleft().result()  # a full queue waits here: no work is submitted meanwhile
             while written:
                 yield written.popleft().result()
 

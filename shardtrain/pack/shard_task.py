@@ -6,10 +6,10 @@
          ShardInfo): the engine's proof that the shard is done and on disk (in the task, or with `defer_sync` in
          the driver, while the workers encode the next shards)
 
-Runs in a pool worker or a Ray task; everything it needs is in the task, so a retry rewrites the same bytes. The task has
-two halves: encode_slice (the expensive part: read, decode check or transcode) and finish_shard (sort, tar, hash,
-publish); write_shard runs both, LocalEngine's pool runs encode_slice on slices of shards and finish_shard in
-its driver (engine.py says why).
+Runs in a pool worker or a Ray task; everything it needs is in the task, so a retry rewrites the same bytes.
+The task has two halves: encode_slice (the expensive part: read, decode check or transcode) and finish_shard
+(sort, tar, hash, publish); write_shard runs both, LocalEngine's pool runs encode_slice on slices of its last
+shards in its workers and finish_shard in its driver (engine.py says why).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardtrain import faults
 from shardtrain.format.codecs import CODECS
@@ -144,12 +144,21 @@ def encode_slice(job: tuple[ShardTask, int]) -> tuple[int, int, tuple]:
     """The expensive half of a shard task (read, decode check or transcode, limits) for a slice of its samples:
     `job` = (the shard's task holding only the slice's samples, the slice's first position in the shard).
     Returns (shard, first, encoded) for finish_shard. The `pack.shard` fault fires on the slice at position 0,
-    so an armed fault kills the worker that starts the shard, sliced or not. A module-level function: the local
-    pool runs it on slices of ~SLICE_BYTES."""
+    so an armed fault kills the worker that starts the shard, sliced or not."""
     task, first = job
     if first == 0:
         faults.point("pack.shard", task.shard, once_marker=_fault_marker(task))
     return task.shard, first, _encode_all(task)
+
+
+def shard_work(job: tuple[ShardTask, int | None]) -> tuple[int, int | None, Any]:
+    """What LocalEngine's pool runs: `(task, None)` writes the whole shard (write_shard: returns its marker),
+    `(slice task, first)` encodes a slice (encode_slice: returns the encoded samples). Returns (shard, first,
+    result)."""
+    task, first = job
+    if first is None:
+        return task.shard, None, write_shard(task)
+    return encode_slice((task, first))
 
 
 def finish_shard(task: ShardTask, slices: list[tuple[int, int, tuple]]) -> dict:

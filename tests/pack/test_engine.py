@@ -101,3 +101,30 @@ def test_slices_cover_the_shard_in_order(est, target, want):
     got = engine.slices(_samples(est), target)
     assert got == want
     assert [a for a, _ in got[1:]] == [b for _, b in got[:-1]] and got[-1][1] == len(est)
+
+
+def test_whole_shards_then_a_sliced_tail_are_the_same_bytes(mixed, tmp_path, monkeypatch):
+    """5 shards, 2 workers: shard 0 goes to a worker whole, the last TAIL_SHARDS x 2 = 4 are cut into slices of
+    one sample; the dataset is the one 1 worker writes."""
+    def run(name: str, workers: int) -> dict[str, bytes]:
+        pack(PackConfig(input=str(mixed), output=str(tmp_path / name), workers=workers, progress=False,
+                        max_samples_per_shard=5))
+        return _dataset(tmp_path / name)
+
+    ref = run("w1", 1)
+    assert len([n for n in ref if n.startswith("shard-")]) == 5
+    monkeypatch.setattr(engine, "SLICE_BYTES", 1)
+    kinds: list[tuple[int, bool]] = []
+    real = engine.LocalEngine._bounded
+
+    def spy(self, fn, args, what):
+        for res in real(self, fn, args, what):
+            if what == "writing shards":
+                kinds.append((res[0], res[1] is None))
+            yield res
+
+    monkeypatch.setattr(engine.LocalEngine, "_bounded", spy)
+    got = run("w2", 2)
+    assert got == ref
+    assert sorted(s for s, whole in kinds if whole) == [0]
+    assert sorted({s for s, whole in kinds if not whole}) == [1, 2, 3, 4] and len(kinds) == 1 + 19
