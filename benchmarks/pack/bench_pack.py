@@ -23,6 +23,9 @@ Run (the figures in the README):
     .venv/bin/python -m benchmarks.pack.bench_pack --corpus /tmp/c3k --workers 2 --repeats 3 \\
         --tools decode-only decode-only-shardtrain shardtrain webdataset shardtrain-nocheck \\
         --out benchmarks/results/bench_pack.json
+
+A corpus that packs into one shard (issue 32: `--corpus /tmp/c2k --target-shard-mb 256`, 2,000 files) shows whether
+pack spreads a shard's decoding over its workers (LocalEngine slices shards) or runs it on one core.
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
     engine.scan(parts)  -> [PartScan]      runs scan.scan_part per SourcePart; records stay with the engine
     engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate-id rejects)
-    engine.write(specs) -> markers         runs shard_task.write_shard per planned shard, any order
+    engine.write(specs) -> markers         runs shard_task.write_shard per planned shard, any order (LocalEngine's
+                                           pool, for its last shards: its two halves, encode_slice per slice of a
+                                           shard in the workers, finish_shard in the driver)
 
 Both engines call the same task functions (scan_part, write_shard) on the same inputs; everything that decides
 bytes (listing order, keys, the sort, shard names and contents) is decided by plan.py from the scans, so the
@@ -30,10 +32,12 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
+from shardtrain import storage
 from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.plan import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
-from shardtrain.pack.shard_task import PackError, PlannedSample, ShardTask, publish_marker, write_shard
+from shardtrain.pack.shard_task import (PackError, PlannedSample, ShardTask, finish_shard, publish_marker, shard_work,
+                                        write_shard)
 from shardtrain.pack.parts import SourcePart
 
 if TYPE_CHECKING:
@@ -54,8 +58,6 @@ class WriteJob:
     target: AudioTarget
     fingerprint: str
     strict: bool
-    defer_sync: bool = False
-    """ShardTask.defer_sync; LocalEngine.write sets it for its pool."""
 
 
 class Engine(Protocol):
@@ -68,20 +70,56 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tuple]) -> ShardTask:
+def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tuple],
+               defer_sync: bool = False) -> ShardTask:
     """The ShardTask of one spec; `records(part, row)` -> (Item, AudioInfo, duration_s, est_bytes)."""
     samples = []
     for p, r, key in zip(spec.parts.tolist(), spec.rows.tolist(), spec.keys):
         item, info, duration_s, est = records(p, r)
         samples.append(PlannedSample(key=key, item=item, info=info, duration_s=duration_s, est_bytes=est))
     return ShardTask(shard=spec.shard, output=job.output, storage_options=job.storage_options, samples=samples,
-                     target=job.target, fingerprint=job.fingerprint, strict=job.strict, defer_sync=job.defer_sync)
+                     target=job.target, fingerprint=job.fingerprint, strict=job.strict, defer_sync=defer_sync)
 
 
 # ---- local ----------------------------------------------------------------------------------------------------
+SLICE_BYTES = 2 << 20
+"""Estimated encoded audio per slice of a shard in the local pool (LocalEngine.write): ~30 speech FLAC files of
+~3 s, ~30 ms of one core's read and decode check here; small enough that 2,000 such files make ~60 slices (every
+worker busy to the end), large enough that a slice's hand-off (~1 ms) is noise."""
+
+
+REMOTE_FINISHERS = 4
+"""Threads finishing shards in LocalEngine.write for a remote OUTPUT (each uploads a whole shard: I/O, not CPU);
+a local OUTPUT has one (tar and sha256 of ~1 GB/s here)."""
+
+
+TAIL_SHARDS = 2
+"""LocalEngine.write slices the last TAIL_SHARDS x workers shards of a pack (all of them when it has fewer); the
+shards before go to a worker whole."""
+
+
 def _publish(job: WriteJob, marker: dict) -> dict:
     publish_marker(job.output, job.storage_options, marker)
     return marker
+
+
+def _finish(job: WriteJob, task: ShardTask, parts: list) -> dict:
+    """A sliced shard, in the driver: tar, sha256, rename (finish_shard, deferring the fsync), fsync, marker."""
+    return _publish(job, finish_shard(task, parts))
+
+
+def slices(samples: list[PlannedSample], target: int) -> list[tuple[int, int]]:
+    """[start, stop) bounds cutting `samples` (plan order) into runs of about `target` estimated bytes (at least
+    one sample each). Only how work is spread: the output does not depend on it."""
+    bounds, start, acc = [], 0, 0
+    for i, s in enumerate(samples):
+        acc += s.est_bytes
+        if acc >= target:
+            bounds.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(samples) or not samples:
+        bounds.append((start, len(samples)))
+    return bounds
 
 
 def _scan_task(job: tuple) -> tuple[PartScan, list]:
@@ -98,6 +136,8 @@ class LocalEngine:
         self.workers = workers
         self._records: dict[int, list] = {}
         self._pool: ProcessPoolExecutor | None = None
+        self._up: threading.Event | None = None
+        """Set once every pool worker has run a task (start_workers); None: not started in the background."""
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -111,17 +151,19 @@ class LocalEngine:
 
     def start_workers(self) -> None:
         """Start the pool's processes in the background now. A forkserver worker starts only after the server
-        has imported the pack modules (~0.8 s), and the first task is submitted only once the input is listed:
-        started here, the two overlap (a 3,000-file folder packs ~0.3 s sooner). Errors surface at the first
-        real task, as before."""
+        has imported the pack modules (~0.8 s idle, 1.5-2 s on a loaded machine), and the first task is submitted
+        only once the input is listed: started here, the two overlap, and `scan` scans in this process until
+        every worker is up (`_up`). Errors surface at the first real task, as before."""
         ex = self._executor()
+        up = self._up = threading.Event()
 
         def start() -> None:
             try:
-                for _ in range(self.workers):
-                    ex.submit(int)
+                wait([ex.submit(int) for _ in range(self.workers)])
             except (RuntimeError, BrokenProcessPool):  # shut down or broken meanwhile: the real tasks report it
                 pass
+            finally:
+                up.set()
 
         threading.Thread(target=start, name="pack-pool-start", daemon=True).start()
 
@@ -154,15 +196,32 @@ class LocalEngine:
 
         A scan is CPU work in Python (a transcript read, a header parse, a digest: ~0.3 ms a file), which one
         process does on one core however many probe threads it has; in the pool every core scans, and the pool
-        is started here anyway for the writes. Records come back pickled (~300 bytes an item). Parts finish in
-        any order; the plan sorts them, so the output does not depend on it."""
+        is started here anyway for the writes. Records come back pickled (~300 bytes an item). Until the pool's
+        workers are up (start_workers), this process scans the parts itself instead of waiting for them: a
+        2,000-file folder was scanned in ~0.3 s here while the pool took 1-2 s to start on a loaded machine,
+        and the decoding (the writes) could not begin before. Parts finish in any order and either place; the
+        plan sorts them, so the output does not depend on it."""
         scans = []
-        results = (scan_part(cfg, p) for p in parts) if self.workers == 1 else \
-            self._bounded(_scan_task, ((cfg, p) for p in parts), "scanning the input")
-        for scan, records in results:
+
+        def take(result: tuple[PartScan, list]) -> None:
+            scan, records = result
             self._records[scan.index] = records
             scans.append(scan)
             on_part(scan)
+
+        it = iter(parts)
+        if self.workers == 1:
+            for part in it:
+                take(scan_part(cfg, part))
+            return scans
+        while self._up is not None and not self._up.is_set():
+            nxt = next(it, None)
+            if nxt is None:
+                return scans
+            take(scan_part(cfg, nxt))
+        log.debug("scanned %d parts in the driver while the pool started", len(scans))
+        for result in self._bounded(_scan_task, ((cfg, p) for p in it), "scanning the input"):
+            take(result)
         return scans
 
     def path_of(self, part: int, row: int) -> str:
@@ -172,28 +231,61 @@ class LocalEngine:
         return self._records[part][row]
 
     def write(self, job: WriteJob, specs: Iterable[ShardSpec], count: int) -> Iterator[dict]:
-        """Markers of written shards, each yielded once its shard is on disk and the marker written.
+        """Markers of written shards, each yielded once its shard is on disk and its marker written.
 
-        With the pool, workers only write (defer_sync) and one thread here fsyncs each finished shard and writes
-        its marker (publish_marker) while the workers go on with the next shards: the disk's wait overlaps their
-        CPU work instead of idling a core. Costs nothing when a worker dies: a shard without its marker is
-        written again by the re-run."""
-        if self.workers == 1 or count <= 1:
+        With the pool, the last TAIL_SHARDS x workers shards (all of them in a small pack) are cut into slices
+        of ~SLICE_BYTES of estimated audio (`slices`): the workers run shard_task.encode_slice on them (read,
+        decode check or transcode: the expensive part) and a thread here runs finish_shard once all slices of a
+        shard are back (sort, tar, sha256, fsync, marker). The shards before go to a worker whole (write_shard,
+        leaving fsync and marker to a thread here: an fsync is a wait for the disk, ~40 ms per 16 MB, that idled
+        a worker's core). Why slices: with a task per shard a corpus of one shard ran on one core (a 2,000-file
+        pack took ~2x a 2-process decode of the same audio) and every pack ended with its last shards on fewer
+        cores than it has; sliced, every worker decodes from the first file to the last. Why only the tail: a
+        slice's samples come back pickled (one more copy of its bytes, ~0.1 s per 100 MB here) and are tarred
+        and hashed by one thread here, which whole shards do in the workers.
+
+        The output is the same bytes: finish_shard sorts the whole shard and keeps the plan order of rejects,
+        however it was sliced. Memory here: the encoded audio of the sliced shards with a slice in flight (at
+        most 2 tasks per worker are, in plan order: one or two shards of ~target_shard_mb, or 2 x workers
+        smaller ones) plus at most `finishers` + 1 shards queued for the finishing threads (a full queue stops
+        new work); never the corpus. A remote OUTPUT gets REMOTE_FINISHERS of them (whole-shard uploads). A
+        worker that dies costs nothing: a shard without its marker is written again by the re-run."""
+        if self.workers == 1:
             for t in (shard_task(job, s, self._record) for s in specs):
                 yield write_shard(t)
             return
-        job = replace(job, defer_sync=True)
-        published: deque[Future] = deque()
-        # Leaving the `with` (an error included) waits for the queued publishes: shards written so far keep
-        # their markers, and a re-run writes only the rest.
-        with ThreadPoolExecutor(1, thread_name_prefix="pack-publish") as publisher:
-            for marker in self._bounded(write_shard, (shard_task(job, s, self._record) for s in specs),
-                                        "writing shards"):
-                published.append(publisher.submit(_publish, job, marker))
-                while published and published[0].done():
-                    yield published.popleft().result()
-            while published:
-                yield published.popleft().result()
+        open_shards: dict[int, list] = {}  # shard -> [task, slices left, slice results]
+        whole = count - TAIL_SHARDS * self.workers  # shards before this one go to a worker whole
+
+        def work() -> Iterator[tuple[ShardTask, int | None]]:
+            for k, spec in enumerate(specs):
+                task = shard_task(job, spec, self._record, defer_sync=True)
+                if k < whole:
+                    yield task, None
+                    continue
+                bounds = slices(task.samples, SLICE_BYTES)
+                open_shards[task.shard] = [task, len(bounds), []]
+                yield from ((replace(task, samples=task.samples[a:b]), a) for a, b in bounds)
+
+        finishers = 1 if storage.is_local(job.output) else min(self.workers, REMOTE_FINISHERS)
+        written: deque[Future] = deque()
+        # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came back
+        # are written with their markers, and a re-run writes only the rest.
+        with ThreadPoolExecutor(finishers, thread_name_prefix="pack-finish") as writer:
+            for shard, first, result in self._bounded(shard_work, work(), "writing shards"):
+                if first is None:  # a whole shard, written by its worker: fsync and marker here
+                    written.append(writer.submit(_publish, job, result))
+                else:
+                    entry = open_shards[shard]
+                    entry[1] -= 1
+                    entry[2].append((shard, first, result))
+                    if not entry[1]:
+                        del open_shards[shard]
+                        written.append(writer.submit(_finish, job, entry[0], entry[2]))
+                while written and (written[0].done() or len(written) > finishers + 1):
+                    yield written.popleft().result()  # a full queue waits here: no work is submitted meanwhile
+            while written:
+                yield written.popleft().result()
 
     def close(self) -> None:
         self._records.clear()

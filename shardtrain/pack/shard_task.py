@@ -7,6 +7,9 @@
          the driver, while the workers encode the next shards)
 
 Runs in a pool worker or a Ray task; everything it needs is in the task, so a retry rewrites the same bytes.
+The task has two halves: encode_slice (the expensive part: read, decode check or transcode) and finish_shard
+(sort, tar, hash, publish); write_shard runs both, LocalEngine's pool runs encode_slice on slices of its last
+shards in its workers and finish_shard in its driver (engine.py says why).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardtrain import faults
 from shardtrain.format.codecs import CODECS
@@ -132,11 +135,43 @@ def write_shard(task: ShardTask) -> dict:
     under `strict` it raises PackError instead. Samples are written in (stored duration_s, key) order.
     Memory: one encoded sample at a time plus the encoded shard's audio (~target_shard_mb); the tar streams
     to a temp file in `_work/` (locally) or the system temp folder (remote OUTPUT, then uploaded whole).
+    = encode_slice over the whole shard, then finish_shard (LocalEngine's pool runs the two apart).
     """
-    from shardtrain import storage
+    return finish_shard(task, [encode_slice((task, 0))])
 
-    faults.point("pack.shard", task.shard, once_marker=_fault_marker(task))
-    encoded, rejects, clipped = _encode_all(task)
+
+def encode_slice(job: tuple[ShardTask, int]) -> tuple[int, int, tuple]:
+    """The expensive half of a shard task (read, decode check or transcode, limits) for a slice of its samples:
+    `job` = (the shard's task holding only the slice's samples, the slice's first position in the shard).
+    Returns (shard, first, encoded) for finish_shard. The `pack.shard` fault fires on the slice at position 0,
+    so an armed fault kills the worker that starts the shard, sliced or not."""
+    task, first = job
+    if first == 0:
+        faults.point("pack.shard", task.shard, once_marker=_fault_marker(task))
+    return task.shard, first, _encode_all(task)
+
+
+def shard_work(job: tuple[ShardTask, int | None]) -> tuple[int, int | None, Any]:
+    """What LocalEngine's pool runs: `(task, None)` writes the whole shard (write_shard: returns its marker),
+    `(slice task, first)` encodes a slice (encode_slice: returns the encoded samples). Returns (shard, first,
+    result)."""
+    task, first = job
+    if first is None:
+        return task.shard, None, write_shard(task)
+    return encode_slice((task, first))
+
+
+def finish_shard(task: ShardTask, slices: list[tuple[int, int, tuple]]) -> dict:
+    """The cheap half of a shard task: encode_slice results covering `task.samples` (any order) -> sort by
+    (stored duration_s, key) -> tar -> sha256 -> publish (and the marker unless defer_sync). Rejects and clipped
+    notes keep plan order (the slices' order), so the marker is the same however the shard was sliced."""
+    encoded, rejects, clipped = [], [], []
+    for _, first, (ok, rej, clip) in sorted(slices, key=lambda s: s[1]):
+        encoded += [(stored.duration_s, task.samples[first + i].key, task.samples[first + i], stored, data, meta)
+                    for i, stored, data, meta in ok]
+        rejects += rej
+        clipped += clip
+    encoded.sort(key=lambda e: (e[0], e[1]))
     name = f"shard-{task.shard:06d}.tar"
     rows, nbytes, sha = _write_tar(task, name, encoded)
     durations = [e[0] for e in encoded]
@@ -171,15 +206,15 @@ def publish_marker(output: str, storage_options: dict | None, marker: dict, sync
 
 
 def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict], list[dict]]:
-    """Encode every sample of the task: ([(stored duration_s, key, sample, stored info, bytes, json)] in write
-    order, [reject rows], [clipped rows: float sources with samples clipped at full scale]). One failing sample is
-    a reject (PackError under strict), never the whole shard; so is one a reader would refuse (format/limits via
+    """Encode every sample of the task: ([(position in task.samples, stored info, bytes, json)] in plan order,
+    [reject rows], [clipped rows: float sources with samples clipped at full scale]). One failing sample is a
+    reject (PackError under strict), never the whole shard; so is one a reader would refuse (format/limits via
     itemcheck.stored_problem: member sizes, stored rate)."""
     from shardtrain.pack.itemcheck import ItemError, stored_problem
     from shardtrain.pack.transcode import encode_for_shard
 
     encoded, rejects, clipped = [], [], []
-    for s in task.samples:
+    for i, s in enumerate(task.samples):
         notes: dict = {}
         try:
             data, stored = encode_for_shard(s.item, s.info, task.target, task.storage_options, notes=notes)
@@ -199,10 +234,9 @@ def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict], list[dict]]:
             rejects.append({"id": s.item.id, "key": s.key, "path": str(s.item.audio), "reason": reason,
                             "detail": detail})
             continue
-        encoded.append((stored.duration_s, s.key, s, stored, data, meta))
+        encoded.append((i, stored, data, meta))
         if notes.get("clipped"):
             clipped.append({"id": s.item.id, "key": s.key, "path": str(s.item.audio), "samples": notes["clipped"]})
-    encoded.sort(key=lambda e: (e[0], e[1]))
     return encoded, rejects, clipped
 
 
