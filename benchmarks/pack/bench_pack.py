@@ -2,7 +2,7 @@
 same corpus, same interleaved run.
 
     corpus (make_corpus tone FLAC, --speech espeak-ng, or --corpus DIR) -> for workers in (1, 2), --repeats rounds:
-        shardtrain          pack with its decode check (the default): scan + plan + write + commit, each timed
+        shardtrain          pack with its decode check (the default): scan + layout + write + commit, each timed
         shardtrain-nocheck  pack --no-decode-check (the tail check only)
         webdataset          webdataset.ShardWriter: the same FLAC bytes + json, input order, no probe/sort/index
         decode-only         every file fully decoded (int16, soundfile/libsndfile), `workers` processes, nothing
@@ -10,7 +10,7 @@ same corpus, same interleaved run.
         decode-only-shardtrain  the same with pack's own decoder (format.audio.decoded_frames: dr_flac for FLAC), so
                             the overhead of pack beyond its decoder is visible too
         lhotse              CutSet.to_shar(fields={"recording": "flac"}) (Recording.from_file + re-encode)
-    -> per tool: wall, files/s, audio h/s, MB/s, pack's phases (scan, plan, write, commit); per round the ratios
+    -> per tool: wall, files/s, audio h/s, MB/s, pack's phases (scan, layout, write, commit); per round the ratios
        the issue sets goals for (pack / decode-only, pack --no-decode-check / webdataset), then their medians;
        the 1-minute load average at each round's start and end. JSON (stdout, and --out) + a table.
 
@@ -70,7 +70,7 @@ def run_shardtrain(corpus: Path, out: Path, workers: int, target_shard_mb: float
             ray.shutdown()
     out_d = {"wall_s": wall_s, "files": r.samples, "audio_s": r.seconds, "bytes": _dir_bytes(out),
              "shards": r.shards, "probe_s": r.probe_s,
-             "phases_s": {"scan": r.scan_s, "plan": r.plan_s, "write": r.write_s, "commit": r.commit_s}}
+             "phases_s": {"scan": r.scan_s, "layout": r.layout_s, "write": r.write_s, "commit": r.commit_s}}
     if engine == "ray":
         out_d["ray_start_s"] = ray_start_s
     return out_d
@@ -290,13 +290,13 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
         print(f"\n{'tool':<23} {'workers':>7} {'files':>6} {'audio_h':>8} {'wall_s':>7} {'files/s':>8} "
-              f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6} {'x_wds':>6}  phases_s (scan/plan/write/commit)")
+              f"{'audio_h/s':>9} {'MB/s':>7} {'shards':>6} {'x_wds':>6}  phases_s (scan/layout/write/commit)")
         for r in rows:
             ph = r.get("phases_s")
             print(f"{r['tool']:<23} {r['workers']:>7} {r['files']:>6} {r['audio_s'] / 3600:>8.3f} {r['wall_s']:>7.2f} "
                   f"{r['files_per_s']:>8.0f} {r['audio_h_per_s']:>9.3f} {r['mb_per_s']:>7.1f} {r['shards']:>6} "
                   f"{r.get('x_webdataset', float('nan')):>6.2f}  "
-                  + ("/".join(f"{ph[k]:.2f}" for k in ("scan", "plan", "write", "commit")) if ph else ""))
+                  + ("/".join(f"{ph[k]:.2f}" for k in ("scan", "layout", "write", "commit")) if ph else ""))
         print("\nratios of walls measured in the same interleaved round (median over rounds; goal <= 1.2):")
         for k, v in medians.items():
             print(f"  {k:<48} {v['median']:.3f}   rounds {v['runs']}")

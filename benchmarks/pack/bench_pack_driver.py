@@ -1,11 +1,11 @@
-"""Driver memory of `pack --engine ray` per million items: what the global plan and the index assembly hold.
+"""Driver memory of `pack --engine ray` per million items: what the global layout and the index assembly hold.
 
     N synthetic items (LibriSpeech-like ids, durations 1-20 s, no audio) -> PartScan per 1,024 items, as scan_part
-    returns them -> plan.make_plan (duplicates, keys, sort, cut, fingerprint) -> every ShardSpec (as the write loop
+    returns them -> layout.lay_out (duplicates, keys, sort, cut, fingerprint) -> every ShardSpec (as the write loop
     asks for them) -> done-markers written to _work/ (index rows: transcript ~200 chars, source path ~60 chars)
     -> _IndexRows streams them back into index.parquet
 
-Reports, in MB per million items, for each phase (scans held, peak while planning, plan held, plan held after
+Reports, in MB per million items, for each phase (scans held, peak while laying out, layout held, layout held after
 every shard is done, peak of writing the index: one row group of rows at a time): the bytes allocated (Python
 and numpy objects by tracemalloc + Arrow's pool), and RSS growth over the imports-only baseline (ru_maxrss for
 peaks: the process-wide high-water mark; RSS also counts what the allocators keep after a free, an upper bound). The audio records are not on the driver under Ray
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-samples", type=int, default=700, help="samples per shard (~256 MB of 10 s FLAC)")
     args = ap.parse_args(argv)
     from shardtrain.pack.packer import PackConfig, _IndexRows
-    from shardtrain.pack.plan import iter_specs, make_plan
+    from shardtrain.pack.layout import iter_specs, lay_out
 
     rng = np.random.default_rng(0)
     vocab = [f"w{i}" + "abcdefgh"[: i % 8] for i in range(5000)]
@@ -107,16 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     scans = list(_scans(args.items, args.part_items, rng))
     phases["scans_held"] = meter.now()
     meter.start_phase()
-    plan = make_plan(cfg, scans, lambda p, r: "")  # consumes scans
-    phases["planning_peak"] = meter.peak()
-    plan_s = time.perf_counter() - t0
-    specs = sum(len(s.keys) for s in iter_specs(plan))
-    phases["plan_held"] = meter.now()
+    layout = lay_out(cfg, scans, lambda p, r: "")  # consumes scans
+    phases["laying_out_peak"] = meter.peak()
+    layout_s = time.perf_counter() - t0
+    specs = sum(len(s.keys) for s in iter_specs(layout))
+    phases["layout_held"] = meter.now()
 
     with tempfile.TemporaryDirectory() as d:  # done-markers as write_shard leaves them in _work/
         os.mkdir(os.path.join(d, "_work"))
         rows, done = _IndexRows(d, None), 0
-        for spec in iter_specs(plan):
+        for spec in iter_specs(layout):
             marker = {"shard": spec.shard, "info": {}, "rejects": [], "rows": [
                 {"key": k, "shard": spec.shard, "offset": j * 1024, "size": 200_000, "audio_offset": j * 1024 + 512,
                  "audio_size": 199_000, "json_offset": 1, "json_size": 300, "codec": "flac", "duration_s": 10.0,
@@ -129,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.add(marker)
             done += 1
         del marker
-        phases["plan_and_markers_written"] = meter.now()
+        phases["layout_and_markers_written"] = meter.now()
         meter.start_phase()
         n_rows = rows.write(done)
         index_bytes = os.path.getsize(os.path.join(d, "index.parquet"))
     phases["peak_incl_index_write"] = meter.peak()
     per = 1e6 / args.items
-    record = {"bench": "pack_driver", "items": args.items, "shards": plan.shards, "plan_s": round(plan_s, 2),
+    record = {"bench": "pack_driver", "items": args.items, "shards": layout.shards, "layout_s": round(layout_s, 2),
               "spec_samples": specs, "index_rows": n_rows, "index_parquet_bytes": index_bytes,
               "mb_per_million": {k: {"allocated": round(a * per / 1e6, 1), "rss": round(r * per / 1e6, 1)}
                                  for k, (a, r) in phases.items()}}

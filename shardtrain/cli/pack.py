@@ -148,7 +148,7 @@ def _cmd_pack(args) -> int:
     print(printable(f"rejects   {r.rejects} ({rejects})" + (f"; see {r.output}/rejects.jsonl" if r.rejects else "")))
     if r.clipped:
         print(f"clipped   {r.clipped} float files had samples past full scale, clipped at full scale (warnings above)")
-    print(f"speed     {r.wall_s:.1f} s wall (scan {r.scan_s:.1f} s, plan {r.plan_s:.1f} s, write {r.write_s:.1f} s, "
+    print(f"speed     {r.wall_s:.1f} s wall (scan {r.scan_s:.1f} s, layout {r.layout_s:.1f} s, write {r.write_s:.1f} s, "
           f"commit {r.commit_s:.1f} s): "
           f"{r.files_per_s:.0f} files/s, {r.audio_hours_per_s * 3600:.0f} audio s/s, {r.mb_per_s:.1f} MB/s")
     if empty:

@@ -14,11 +14,11 @@
     parts.py       the input cut into parts in input order (the unit of listing work for an engine)
     scan.py        one part of the input = one task: read items, probe headers, per-item filters -> PartScan
     itemcheck.py   per-item rejects for what a reader refuses (format/limits) and CTC-impossible transcripts
-    plan.py        the global plan on the driver from PartScans: duplicates, keys, rejects, sort, shards, fingerprint
-    shard_task.py  one shard = one task: planned samples -> tar bytes (run by a worker process or a Ray task)
+    layout.py        the global layout on the driver from PartScans: duplicates, keys, rejects, sort, shards, fingerprint
+    shard_task.py  one shard = one task: the layout's samples -> tar bytes (run by a worker process or a Ray task)
     engine.py      where tasks run: LocalEngine (this process + a process pool) or RayEngine (`--engine ray`)
     config.py      PackConfig and the AudioTarget it holds: the options of a pack, validated once
-    packer.py      pack(): parts -> engine.scan -> make_plan -> engine.write -> index -> manifest
+    packer.py      pack(): parts -> engine.scan -> lay_out -> engine.write -> index -> manifest
     lifeline.py    pool workers die with the pack that started them (PDEATHSIG + a parent-watch thread)
     verify.py      `shardtrain inspect [--verify]`: summaries and integrity checks of a packed dataset
     safeio.py      bounded reads of untrusted input files (regular files only, at most a limit, never blocking)

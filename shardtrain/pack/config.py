@@ -2,7 +2,7 @@
 holds (what shards store), each validated once, when built.
 
 Frozen dataclasses with no I/O and light imports (format.codecs only), so every pack module can name them (the
-scan, plan and shard tasks read them) without importing the packer or soundfile. `dataset_options` is what the
+scan, layout and shard tasks read them) without importing the packer or soundfile. `dataset_options` is what the
 manifest records and the dataset fingerprint hashes: a field added there changes every fingerprint.
 """
 from __future__ import annotations

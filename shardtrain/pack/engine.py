@@ -2,12 +2,12 @@
 
     engine.scan(parts)  -> [PartScan]      runs scan.scan_part per SourcePart; records stay with the engine
     engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate-id rejects)
-    engine.write(specs) -> markers         runs shard_task.write_shard per planned shard, any order (LocalEngine's
+    engine.write(specs) -> markers         runs shard_task.write_shard per shard of the layout, any order (LocalEngine's
                                            pool, for its last shards: its two halves, encode_slice per slice of a
                                            shard in the workers, finish_shard in the driver)
 
 Both engines call the same task functions (scan_part, write_shard) on the same inputs; everything that decides
-bytes (listing order, keys, the sort, shard names and contents) is decided by plan.py from the scans, so the
+bytes (listing order, keys, the sort, shard names and contents) is decided by layout.py from the scans, so the
 output does not depend on the engine, the worker count or the order in which tasks finish.
 
 RayEngine imports ray only when constructed (`pip install 'shardtrain[ray]'`). Its driver holds PartScans and
@@ -34,9 +34,9 @@ import numpy as np
 
 from shardtrain import storage
 from shardtrain.pack.lifeline import die_with_parent
-from shardtrain.pack.plan import ShardSpec
+from shardtrain.pack.layout import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
-from shardtrain.pack.shard_task import (PackError, PlannedSample, ShardTask, finish_shard, publish_marker, shard_work,
+from shardtrain.pack.shard_task import (PackError, SampleSpec, ShardTask, finish_shard, publish_marker, shard_work,
                                         write_shard)
 from shardtrain.pack.parts import SourcePart
 
@@ -76,7 +76,7 @@ def shard_task(job: WriteJob, spec: ShardSpec, records: Callable[[int, int], tup
     samples = []
     for p, r, key in zip(spec.parts.tolist(), spec.rows.tolist(), spec.keys):
         item, info, duration_s, est = records(p, r)
-        samples.append(PlannedSample(key=key, item=item, info=info, duration_s=duration_s, est_bytes=est))
+        samples.append(SampleSpec(key=key, item=item, info=info, duration_s=duration_s, est_bytes=est))
     return ShardTask(shard=spec.shard, output=job.output, storage_options=job.storage_options, samples=samples,
                      target=job.target, fingerprint=job.fingerprint, strict=job.strict, defer_sync=defer_sync)
 
@@ -108,8 +108,8 @@ def _finish(job: WriteJob, task: ShardTask, parts: list) -> dict:
     return _publish(job, finish_shard(task, parts))
 
 
-def slices(samples: list[PlannedSample], target: int) -> list[tuple[int, int]]:
-    """[start, stop) bounds cutting `samples` (plan order) into runs of about `target` estimated bytes (at least
+def slices(samples: list[SampleSpec], target: int) -> list[tuple[int, int]]:
+    """[start, stop) bounds cutting `samples` (layout order) into runs of about `target` estimated bytes (at least
     one sample each). Only how work is spread: the output does not depend on it."""
     bounds, start, acc = [], 0, 0
     for i, s in enumerate(samples):
@@ -168,7 +168,7 @@ class LocalEngine:
         threading.Thread(target=start, name="pack-pool-start", daemon=True).start()
 
     def _bounded(self, fn: Callable, args: Iterable, what: str) -> Iterator[Any]:
-        """fn(arg) for each arg in the pool, at most 2 per worker in flight (a huge plan is not pickled up front);
+        """fn(arg) for each arg in the pool, at most 2 per worker in flight (a huge layout is not pickled up front);
         results in completion order. A dead worker process raises PackError."""
         done_n = 0
         try:
@@ -200,7 +200,7 @@ class LocalEngine:
         workers are up (start_workers), this process scans the parts itself instead of waiting for them: a
         2,000-file folder was scanned in ~0.3 s here while the pool took 1-2 s to start on a loaded machine,
         and the decoding (the writes) could not begin before. Parts finish in any order and either place; the
-        plan sorts them, so the output does not depend on it."""
+        layout sorts them, so the output does not depend on it."""
         scans = []
 
         def take(result: tuple[PartScan, list]) -> None:
@@ -244,9 +244,9 @@ class LocalEngine:
         slice's samples come back pickled (one more copy of its bytes, ~0.1 s per 100 MB here) and are tarred
         and hashed by one thread here, which whole shards do in the workers.
 
-        The output is the same bytes: finish_shard sorts the whole shard and keeps the plan order of rejects,
+        The output is the same bytes: finish_shard sorts the whole shard and keeps the layout order of rejects,
         however it was sliced. Memory here: the encoded audio of the sliced shards with a slice in flight (at
-        most 2 tasks per worker are, in plan order: one or two shards of ~target_shard_mb, or 2 x workers
+        most 2 tasks per worker are, in layout order: one or two shards of ~target_shard_mb, or 2 x workers
         smaller ones) plus at most `finishers` + 1 shards queued for the finishing threads (a full queue stops
         new work); never the corpus. A remote OUTPUT gets REMOTE_FINISHERS of them (whole-shard uploads). A
         worker that dies costs nothing: a shard without its marker is written again by the re-run."""

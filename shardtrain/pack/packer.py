@@ -3,21 +3,21 @@
     INPUT -> sources.iter_parts -> SourcePart (~part_items items, input order)             (driver: listing)
           -> engine.scan: scan.scan_part per part                                          (tasks)
                read items, probe headers (threads), per-item filters -> PartScan + records (records stay in the engine)
-          -> plan.make_plan: duplicate ids, keys, rejects, sort by (duration_s, key),
-               cut shards by estimated bytes / samples, fingerprint                         (driver: the global plan)
-          -> engine.write: shard_task.write_shard per planned shard not yet done            (tasks)
+          -> layout.lay_out: duplicate ids, keys, rejects, sort by (duration_s, key),
+               cut shards by estimated bytes / samples, fingerprint                         (driver: the global layout)
+          -> engine.write: shard_task.write_shard per shard of the layout not yet done            (tasks)
                encode_for_shard, json, ustar, sha256, temp name + rename / one PUT, done-marker
           -> index.parquet -> rejects.jsonl -> manifest.json (LAST: the commit point)       (driver)
 
 Engines (engine.py): "local" scans in this process and writes in a process pool; "ray" runs the same two task
-functions as Ray tasks. Everything that shapes the output is decided by the plan, so both engines, any worker
+functions as Ray tasks. Everything that shapes the output is decided by the layout, so both engines, any worker
 count and any task order give the same bytes.
 
 Resumable: each finished shard leaves `_work/shard-NNNNNN.json` (its index rows, sha256, rejects). Re-running the
-same command re-probes (cheap: headers), rebuilds the same plan, and writes only shards without a valid marker.
-An OUTPUT holding a dataset with a different fingerprint (options + plan) is refused unless `overwrite`.
+same command re-probes (cheap: headers), rebuilds the same layout, and writes only shards without a valid marker.
+An OUTPUT holding a dataset with a different fingerprint (options + layout) is refused unless `overwrite`.
 
-Deterministic: the plan depends only on the input and options, each shard only on its plan entry, so the same
+Deterministic: the layout depends only on the input and options, each shard only on its layout entry, so the same
 input and options give byte-identical shards, index and manifest (except `created_utc`), for any `workers`.
 """
 from __future__ import annotations
@@ -57,13 +57,13 @@ class PackResult:
     """Shards written by this run (the rest were complete from an earlier run)."""
     wall_s: float
     probe_s: float = 0.0
-    """Listing + scan + plan: the time before the first shard can be written."""
+    """Listing + scan + layout: the time before the first shard can be written."""
     write_s: float = 0.0
     """Writing the shards (read, decode check or transcode, tar, sha256, publish) on the engine."""
     scan_s: float = 0.0
     """Of probe_s: listing the input and scanning it (transcripts, headers, filters; pool start-up included)."""
-    plan_s: float = 0.0
-    """Of probe_s: the global plan (duplicates, keys, sort, cut, fingerprint) on the driver."""
+    layout_s: float = 0.0
+    """Of probe_s: the global layout (duplicates, keys, sort, cut, fingerprint) on the driver."""
     commit_s: float = 0.0
     """index.parquet from the done-markers, rejects.jsonl, manifest.json, removing _work/."""
     items: int = 0
@@ -97,7 +97,7 @@ class PackResult:
 
 class _Progress:
     """The one progress bar of a pack, on the driver: items scanned, then samples written (total grows as the
-    plan becomes known), with shards and MB written in its postfix."""
+    layout becomes known), with shards and MB written in its postfix."""
 
     def __init__(self, cfg: PackConfig) -> None:
         self.bar = tqdm(disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True, desc="pack",
@@ -108,7 +108,7 @@ class _Progress:
         self.bar.total += scan.items
         self.bar.update(scan.items)
 
-    def planned(self, samples: int, shards: int) -> None:
+    def laid_out(self, samples: int, shards: int) -> None:
         self.bar.total += samples
         self.shards_total = shards
         self.bar.set_description("pack (write)")
@@ -185,8 +185,8 @@ class _IndexRows:
 
 def _warm_arrow() -> None:
     """pyarrow imports pandas on its first `pa.array` (~1 s of CPU, ~2 s on a loaded machine); the driver needs it
-    for the plan and the index. Started while the pool workers scan (the driver only waits then), it is off the
-    critical path instead of delaying the plan."""
+    for the layout and the index. Started while the pool workers scan (the driver only waits then), it is off the
+    critical path instead of delaying the layout."""
     import pyarrow as pa
 
     pa.array([0])
@@ -199,7 +199,7 @@ def _engine(cfg: PackConfig):
 
 
 def _fingerprint_in(url: str, so: dict | None) -> str | None:
-    """The `fingerprint` recorded in a manifest or plan.json; "unreadable" when it is not a JSON object with one
+    """The `fingerprint` recorded in a manifest or layout.json; "unreadable" when it is not a JSON object with one
     (a damaged or hostile file counts as a different dataset: refused unless --overwrite)."""
     from shardtrain.format.validate import DatasetError, parse_manifest
 
@@ -219,13 +219,17 @@ def _existing_state(cfg: PackConfig, out: str, fp: str) -> str:
         found = _fingerprint_in(storage.join(out, index.MANIFEST), so)
         if found == fp:
             return "complete"
-    elif WORK in names and "plan.json" in storage.ls_names(storage.join(out, WORK), so):
-        found = _fingerprint_in(storage.join(out, WORK + "/plan.json"), so)
+    elif WORK in names:
+        work = set(storage.ls_names(storage.join(out, WORK), so))
+        for name in ("layout.json", "plan.json"):  # plan.json: a pack interrupted before the name changed
+            if name in work:
+                found = _fingerprint_in(storage.join(out, f"{WORK}/{name}"), so)
+                break
         if found == fp:
             return "resume"
     ours = {n for n in names if n.startswith("shard-") or n in (index.MANIFEST, index.INDEX, REJECTS)}
     if WORK in names and storage.ls_names(storage.join(out, WORK), so):
-        ours.add(WORK)  # an empty _work/ (crash before plan.json) holds nothing to protect
+        ours.add(WORK)  # an empty _work/ (crash before layout.json) holds nothing to protect
     if not ours:
         return "fresh"
     if not cfg.overwrite:
@@ -270,7 +274,7 @@ def _pack_locked(cfg: PackConfig) -> PackResult:
 
 def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     from shardtrain.pack.engine import WriteJob
-    from shardtrain.pack.plan import iter_specs, make_plan
+    from shardtrain.pack.layout import iter_specs, lay_out
     from shardtrain.pack.parts import iter_parts
 
     t0 = time.perf_counter()
@@ -283,14 +287,14 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
         threading.Thread(target=_warm_arrow, name="warm-arrow", daemon=True).start()
     scans = engine.scan(cfg, parts, progress.scanned)
     scan_s = time.perf_counter() - t0
-    plan = make_plan(cfg, scans, engine.path_of)
-    items = plan.items
-    fp, rejects = plan.fingerprint, plan.rejects
+    layout = lay_out(cfg, scans, engine.path_of)
+    items = layout.items
+    fp, rejects = layout.fingerprint, layout.rejects
     probe_s = time.perf_counter() - t0
-    log.info("planned %d samples in %d shards (%d rejected before encoding) in %.1fs",
-             plan.samples, plan.shards, len(rejects.rows), probe_s)
+    log.info("laid out %d samples in %d shards (%d rejected before encoding) in %.1fs",
+             layout.samples, layout.shards, len(rejects.rows), probe_s)
 
-    if not plan.samples:  # every utterance rejected before encoding: refuse, write nothing
+    if not layout.samples:  # every utterance rejected before encoding: refuse, write nothing
         from shardtrain.pack.nothing import NothingAccepted, nothing_accepted_message
         raise NothingAccepted(nothing_accepted_message(str(cfg.input), cfg.source_format, rejects.rows, so))
     state = _existing_state(cfg, out, fp)
@@ -299,25 +303,33 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
         return _result_from_manifest(out, so, t0, probe_s, items)
     storage.makedirs(storage.join(out, WORK), so)
     if state == "fresh":
-        storage.atomic_write_bytes(storage.join(out, WORK + "/plan.json"),
-                                   json.dumps({"fingerprint": fp, "shards": plan.shards}).encode(), so)
+        storage.atomic_write_bytes(storage.join(out, WORK + "/layout.json"),
+                                   json.dumps({"fingerprint": fp, "shards": layout.shards}).encode(), so)
 
     rows = _IndexRows(out, so)
-    done = {i: rows.add(m) for i, m in _load_markers(out, so, fp, plan.shards).items()}
-    todo = plan.shards - len(done)
+    done = {i: rows.add(m) for i, m in _load_markers(out, so, fp, layout.shards).items()}
+    todo = layout.shards - len(done)
     log.info("%d shards to write (%d complete from an earlier run), engine=%s, workers=%d", todo, len(done),
              cfg.engine, cfg.workers)
-    progress.planned(int(plan.shard_sizes()[[i for i in range(plan.shards) if i not in done]].sum()), todo)
+    progress.laid_out(int(layout.shard_sizes()[[i for i in range(layout.shards) if i not in done]].sum()), todo)
     t1 = time.perf_counter()
     job = WriteJob(output=out, storage_options=so, target=target, fingerprint=fp, strict=cfg.strict)
-    for marker in engine.write(job, iter_specs(plan, set(done)), todo):
+    for marker in engine.write(job, iter_specs(layout, set(done)), todo):
         progress.written(marker)
         done[marker["shard"]] = rows.add(marker)
     write_s = time.perf_counter() - t1
 
-    manifest, all_rejects = _commit(cfg, out, fp, [done[i] for i in range(plan.shards)], rows, rejects.rows)
+    markers = [done[i] for i in range(layout.shards)]
+    manifest, all_rejects = _commit(cfg, out, fp, markers, rows, rejects.rows)
     commit_s = time.perf_counter() - t1 - write_s
-    clipped = [c for i in range(plan.shards) for c in done[i].get("clipped", ())]
+    return _result(out, manifest, all_rejects, markers, shards_written=todo, wall_s=time.perf_counter() - t0,
+                   probe_s=probe_s, write_s=write_s, scan_s=scan_s, layout_s=probe_s - scan_s, commit_s=commit_s)
+
+
+def _result(out: str, manifest: dict, all_rejects: list[dict], markers: list[dict], **timings) -> PackResult:
+    """The PackResult of a committed pack: totals from the manifest, rejects counted by reason, clipped floats
+    (warned about once, with the first file)."""
+    clipped = [c for m in markers for c in m.get("clipped", ())]
     if clipped:
         log.warning("%d float files had samples past full scale, clipped (first: %s, %d samples)", len(clipped),
                     clipped[0]["path"], clipped[0]["samples"])
@@ -327,9 +339,7 @@ def _pack(cfg: PackConfig, engine, progress: _Progress) -> PackResult:
     t = manifest["totals"]
     return PackResult(output=out, samples=t["samples"], seconds=t["seconds"], shards=t["shards"], bytes=t["bytes"],
                       rejects=len(all_rejects), rejects_by_reason=dict(sorted(by_reason.items())),
-                      shards_written=todo, wall_s=time.perf_counter() - t0, probe_s=probe_s, write_s=write_s,
-                      items=t["samples"] + len(all_rejects), scan_s=scan_s, plan_s=probe_s - scan_s,
-                      commit_s=commit_s, clipped=len(clipped))
+                      items=t["samples"] + len(all_rejects), clipped=len(clipped), **timings)
 
 
 def _commit(cfg: PackConfig, out: str, fp: str, markers: list[dict], rows: _IndexRows,

@@ -5,13 +5,13 @@
                -> probe headers (threads)                           -> AudioInfo | AudioError
                -> empty_audio, segment_out_of_range, too_short/long,
                   format limits, impossible_target (pack/itemcheck)  -> PartScan.late (reject rows, keys added later)
-    -> (PartScan: the compact columns the global plan needs, records: [(Item, AudioInfo, duration_s, est_bytes)])
+    -> (PartScan: the compact columns the global layout needs, records: [(Item, AudioInfo, duration_s, est_bytes)])
 
 Both engines run `scan_part` unchanged: LocalEngine in the driver, RayEngine as a Ray task. Only the PartScan goes
 to the driver; it holds per candidate an id, its sanitised key, flags, duration, estimated bytes and a 16-byte
 digest of everything else that shapes the sample (so the dataset fingerprint covers text, paths and headers
 without the driver holding them). The records stay with the engine (in memory locally, in Ray's object store).
-What needs the whole input (duplicate ids, key collisions, the global sort) is decided by plan.py on the driver.
+What needs the whole input (duplicate ids, key collisions, the global sort) is decided by layout.py on the driver.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from shardtrain import storage
 from shardtrain.format.codecs import ENCODE_RATIO
 from shardtrain.pack.itemcheck import item_problem
 from shardtrain.pack.keys import sanitize_key
-from shardtrain.pack.shard_task import PlannedSample, error_reason
+from shardtrain.pack.shard_task import SampleSpec, error_reason
 
 if TYPE_CHECKING:
     from shardtrain.pack.config import PackConfig
@@ -52,7 +52,7 @@ class PartScan:
     """Position in the part of each candidate (an item with a non-empty transcript)."""
     ids: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
     keys: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
-    """sanitize_key(id); plan.assign_keys resolves collisions across the whole input."""
+    """sanitize_key(id); layout.assign_keys resolves collisions across the whole input."""
     ok: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     late: dict[int, dict] = field(default_factory=dict)
     """Candidate index -> reject row (probe failures and duration filters), without its key."""
@@ -146,7 +146,7 @@ def _filter(cfg: PackConfig, item, info) -> tuple[float, dict | None]:
     return (duration_s, None) if problem is None else reject(*problem)
 
 
-def sample_digest(s: PlannedSample, stamp: str = "") -> bytes:
+def sample_digest(s: SampleSpec, stamp: str = "") -> bytes:
     """sha256[:16] of everything that shapes a sample's bytes except its key (the driver adds the key), and the
     source file's stamp (`_probe_one`)."""
     ident = s.identity()
@@ -225,7 +225,7 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
             continue
         e = _estimate_bytes(cfg, info, duration_s, nbytes)
         ok[j], dur[j], est[j] = True, duration_s, e
-        digest[j] = sample_digest(PlannedSample(key="", item=item, info=info, duration_s=duration_s, est_bytes=e),
+        digest[j] = sample_digest(SampleSpec(key="", item=item, info=info, duration_s=duration_s, est_bytes=e),
                                   stamp)
         records.append((item, info, duration_s, e))
     scan = PartScan(index=part.index, items=n, early=early, pos=np.asarray(positions, np.int32),

@@ -1,4 +1,4 @@
-"""One shard = one task: planned samples -> encoded audio -> a byte-reproducible tar -> a done-marker.
+"""One shard = one task: the layout's samples -> encoded audio -> a byte-reproducible tar -> a done-marker.
 
     ShardTask(shard, samples, target, fingerprint) -> encode each sample (keep or transcode, decode check)
       -> sort by (stored duration, key) -> ShardWriter into a temp file -> rename / whole-object PUT
@@ -56,8 +56,8 @@ def _extra_pairs(extra) -> list[tuple[str, object]]:
 
 
 @dataclass(frozen=True, slots=True)
-class PlannedSample:
-    """One accepted item with its probe result, in the global plan."""
+class SampleSpec:
+    """One accepted item with its probe result, in the global layout."""
 
     key: str
     item: Item
@@ -83,8 +83,8 @@ class ShardTask:
     shard: int
     output: str
     storage_options: dict | None
-    samples: list[PlannedSample]
-    """[PlannedSample] in plan order."""
+    samples: list[SampleSpec]
+    """[SampleSpec] in layout order."""
     target: AudioTarget
     fingerprint: str
     strict: bool = False
@@ -99,7 +99,7 @@ def marker_name(i: int) -> str:
     return f"shard-{i:06d}.json"
 
 
-def sample_json(s: PlannedSample, stored) -> bytes:
+def sample_json(s: SampleSpec, stored) -> bytes:
     """`<key>.json`: UTF-8, sorted keys, compact. Extra input fields never override the reserved ones."""
     it = s.item
     meta: dict = {
@@ -119,7 +119,7 @@ def sample_json(s: PlannedSample, stored) -> bytes:
 
 
 def _fault_marker(task: ShardTask):
-    """Where an armed `pack.shard` fault records that it fired (the temp folder, keyed by the plan's fingerprint),
+    """Where an armed `pack.shard` fault records that it fired (the temp folder, keyed by the layout's fingerprint),
     so the retry of a killed task (Ray) or a re-run of the command goes on. Touched only when a fault is armed."""
     from pathlib import Path
 
@@ -164,7 +164,7 @@ def shard_work(job: tuple[ShardTask, int | None]) -> tuple[int, int | None, Any]
 def finish_shard(task: ShardTask, slices: list[tuple[int, int, tuple]]) -> dict:
     """The cheap half of a shard task: encode_slice results covering `task.samples` (any order) -> sort by
     (stored duration_s, key) -> tar -> sha256 -> publish (and the marker unless defer_sync). Rejects and clipped
-    notes keep plan order (the slices' order), so the marker is the same however the shard was sliced."""
+    notes keep layout order (the slices' order), so the marker is the same however the shard was sliced."""
     encoded, rejects, clipped = [], [], []
     for _, first, (ok, rej, clip) in sorted(slices, key=lambda s: s[1]):
         encoded += [(stored.duration_s, task.samples[first + i].key, task.samples[first + i], stored, data, meta)
@@ -206,7 +206,7 @@ def publish_marker(output: str, storage_options: dict | None, marker: dict, sync
 
 
 def _encode_all(task: ShardTask) -> tuple[list[tuple], list[dict], list[dict]]:
-    """Encode every sample of the task: ([(position in task.samples, stored info, bytes, json)] in plan order,
+    """Encode every sample of the task: ([(position in task.samples, stored info, bytes, json)] in layout order,
     [reject rows], [clipped rows: float sources with samples clipped at full scale]). One failing sample is a
     reject (PackError under strict), never the whole shard; so is one a reader would refuse (format/limits via
     itemcheck.stored_problem: member sizes, stored rate)."""

@@ -68,7 +68,7 @@ class Bucket:
     rows: int
 
 
-def plan_buckets(duration_s: np.ndarray, cfg: RunConfig, num_buckets: int | None = None) -> list[Bucket]:
+def choose_buckets(duration_s: np.ndarray, cfg: RunConfig, num_buckets: int | None = None) -> list[Bucket]:
     """The duration buckets the loader would cut (bins_s, or equal-audio bins), with their extreme lengths."""
     b = cfg.stream.bucket
     d = np.sort(np.asarray(duration_s, float))
@@ -175,7 +175,7 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
 
     t_start = time.perf_counter()
     b = cfg.stream.bucket
-    buckets = plan_buckets(duration_s, cfg, num_buckets)
+    buckets = choose_buckets(duration_s, cfg, num_buckets)
     prober = Prober(cfg, vocab_size, device, cfg.train.seed)
     prober.probe(1, buckets[0].shortest_s)  # allocates the optimiser state, which every later step holds
     # the smallest batch of the most demanding bucket first: when it does not fit, say so in seconds, not after

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 KILLED_SHARD = 9
 """The cluster's workers run with SHARDTRAIN_FAULTS="pack.shard=9:kill": the worker that first starts shard 9 of
-any plan SIGKILLs itself (once per plan, marker in the temp folder). test_worker_killed_mid_task_is_retried plans
-10 shards and checks that it fired; the driver-kill test's re-run may cross it too; the rest plan fewer shards."""
+any layout SIGKILLs itself (once per layout, marker in the temp folder). test_worker_killed_mid_task_is_retried lays out
+10 shards and checks that it fired; the driver-kill test's re-run may cross it too; the rest lay out fewer shards."""
 
 
 def _fault_marker(out: Path) -> Path:

@@ -83,7 +83,7 @@ def test_resume_on_s3_after_killed_worker(s3, s3_bucket, tone_corpus):
     assert not fs.exists(f"{url}/manifest.json")
     done = [p for p in fs.ls(f"{url}/_work", detail=False) if p.endswith(".json") and "/shard-" in p]
     assert 0 < len(done) < 8
-    fp = json.loads(fs.cat_file(f"{url}/_work/plan.json"))["fingerprint"]
+    fp = json.loads(fs.cat_file(f"{url}/_work/layout.json"))["fingerprint"]
     Path(tempfile.gettempdir(), f"shardtrain-fault-{fp[:16]}-pack.shard-4").unlink()  # the fault's once-marker
     r = pack(PackConfig(input=str(tone_corpus), output=url, storage_options=so, max_samples_per_shard=4,
                         progress=False))

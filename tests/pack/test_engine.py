@@ -2,7 +2,7 @@
 
 A corpus of one shard (the default 256 MiB target) with kept FLAC, transcoded stereo 22.05 kHz WAV (stored
 durations differ from the probed ones, so the shard's sort happens after encoding) and files that fail only when
-decoded (rejects recorded in the shard's marker, in plan order) packs to the same shards, index, rejects and
+decoded (rejects recorded in the shard's marker, in layout order) packs to the same shards, index, rejects and
 manifest with 1 worker (no slicing), 2 and 3 workers, whole shards or slices of a sample or two, whichever parts
 the driver scanned while the pool started.
 """
@@ -17,7 +17,7 @@ import soundfile as sf
 
 from shardtrain.pack import engine
 from shardtrain.pack.packer import PackConfig, pack
-from shardtrain.pack.shard_task import PlannedSample
+from shardtrain.pack.shard_task import SampleSpec
 from shardtrain.testing.corpus import make_corpus, synth_wave
 
 
@@ -85,8 +85,8 @@ def test_one_shard_is_the_same_bytes_for_any_workers_and_slices(mixed, tmp_path,
         assert len(seen) == n_slices if n_slices else 1 < len(seen) < 24, (slice_bytes, len(seen))
 
 
-def _samples(est: list[int]) -> list[PlannedSample]:
-    return [PlannedSample(key=str(i), item=None, info=None, duration_s=1.0, est_bytes=b)  # type: ignore[arg-type]
+def _samples(est: list[int]) -> list[SampleSpec]:
+    return [SampleSpec(key=str(i), item=None, info=None, duration_s=1.0, est_bytes=b)  # type: ignore[arg-type]
             for i, b in enumerate(est)]
 
 

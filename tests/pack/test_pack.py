@@ -204,7 +204,7 @@ def test_resume_after_killed_worker(corpus, tmp_path):
     done = sorted(p.name for p in (out / "_work").glob("shard-*.json"))
     assert 0 < len(done) < 8
     before = {n.replace(".json", ".tar"): (out / n.replace(".json", ".tar")).stat() for n in done}
-    fp = json.loads((out / "_work" / "plan.json").read_text())["fingerprint"]
+    fp = json.loads((out / "_work" / "layout.json").read_text())["fingerprint"]
     fired = Path(tempfile.gettempdir()) / f"shardtrain-fault-{fp[:16]}-pack.shard-5"  # the fault's once-marker
     assert fired.exists()
     fired.unlink()
@@ -331,9 +331,9 @@ def test_cli_pack_that_accepts_nothing_exits_nonzero(tmp_path, capsys):
     assert "no dataset written" in err[0]
     assert not any(p.name != "_pack.lock" for p in (tmp_path / "out").iterdir())
 
-# ---- engine-independent planning (pack/scan.py, pack/plan.py) ----------------------------------------------------
+# ---- engine-independent laying out (pack/scan.py, pack/layout.py) ----------------------------------------------------
 def test_part_boundaries_do_not_change_the_output(corpus, tmp_path):
-    """Listing/probe tasks cover `part_items` items each; the plan (and so every byte) must not depend on it."""
+    """Listing/probe tasks cover `part_items` items each; the layout (and so every byte) must not depend on it."""
     _pack(corpus, tmp_path / "a", part_items=1024)
     _pack(corpus, tmp_path / "b", part_items=3)
     assert _dataset_bytes(tmp_path / "a") == _dataset_bytes(tmp_path / "b")
@@ -342,7 +342,7 @@ def test_part_boundaries_do_not_change_the_output(corpus, tmp_path):
 def test_columnar_keys_equal_assign_keys():
     import pyarrow as pa
 
-    from shardtrain.pack.plan import assign_keys_columnar
+    from shardtrain.pack.layout import assign_keys_columnar
 
     def columnar(ids):
         return assign_keys_columnar(pa.chunked_array([pa.array(ids)]),
@@ -377,13 +377,13 @@ def test_index_streamed_in_row_groups_equals_index_bytes(monkeypatch, tmp_path):
 
 def _one_shard_task(corpus: Path, out: Path, defer_sync: bool):
     from shardtrain.pack.probe import probe
-    from shardtrain.pack.shard_task import PlannedSample, ShardTask
+    from shardtrain.pack.shard_task import SampleSpec, ShardTask
     from shardtrain.pack.sources import Item
 
     samples = []
     for i, path in enumerate(sorted(corpus.glob("*.flac"))[:3]):
         info = probe(str(path))
-        samples.append(PlannedSample(key=f"k{i}", item=Item(id=path.stem, audio=str(path), text="t"), info=info,
+        samples.append(SampleSpec(key=f"k{i}", item=Item(id=path.stem, audio=str(path), text="t"), info=info,
                                      duration_s=info.duration_s, est_bytes=path.stat().st_size))
     return ShardTask(shard=0, output=str(out), storage_options=None, samples=samples, target=AudioTarget(),
                      fingerprint="f" * 64, defer_sync=defer_sync)

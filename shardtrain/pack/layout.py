@@ -1,13 +1,13 @@
-"""The global plan of a pack, on the driver, from PartScans only: duplicates, keys, rejects, sort, shards, fingerprint.
+"""The global layout of a pack, on the driver, from PartScans only: duplicates, keys, rejects, sort, shards, fingerprint.
 
     [PartScan] (input order) -> duplicate ids (first kept)         -> rejects (with the source rejects, input order)
                              -> keys: sanitised ids, collision-free  (keys.assign_keys' rule, over the whole input)
                              -> late rejects get their keys         -> rejects (input order)
                              -> sort accepted by (duration_s, key)   -> cut by estimated bytes / samples
                              -> fingerprint (options + per sample: shard, key, digest)
-    = Plan: per shard the (part, row) of each sample in order, and its keys; the records stay with the engine.
+    = Layout: per shard the (part, row) of each sample in order, and its keys; the records stay with the engine.
 
-Pure functions of the scans and the options, so both engines and any number of workers get the same plan.
+Pure functions of the scans and the options, so both engines and any number of workers get the same layout.
 Memory: Arrow string columns and numpy arrays, about 100-150 bytes per item at the peak (see README, "Packing on
 Ray"); no Python object per item except transiently for the rare duplicate or key collision.
 """
@@ -51,7 +51,7 @@ class Rejects:
 
 @dataclass(slots=True)
 class ShardSpec:
-    """One planned shard: the (part, row) of each sample in plan order and its key."""
+    """One shard of the layout: the (part, row) of each sample in layout order and its key."""
 
     shard: int
     parts: np.ndarray
@@ -60,7 +60,7 @@ class ShardSpec:
 
 
 @dataclass(slots=True)
-class Plan:
+class Layout:
     fingerprint: str
     samples: int
     shards: int
@@ -68,13 +68,13 @@ class Plan:
     """Items read from the input (samples + rejects before encoding)."""
     rejects: Rejects
     _order: np.ndarray
-    """Global candidate index of each accepted sample, in plan order."""
+    """Global candidate index of each accepted sample, in layout order."""
     _cuts: np.ndarray
     """Shard i is _order[_cuts[i]:_cuts[i + 1]]."""
     _starts: np.ndarray
     """First global candidate index of each part."""
     _keys: pa.Array
-    """Keys in plan order."""
+    """Keys in layout order."""
 
     def spec(self, i: int) -> ShardSpec:
         g = self._order[self._cuts[i]: self._cuts[i + 1]]
@@ -150,7 +150,7 @@ def _early_rejects(scans: list[PartScan], dup: np.ndarray, starts: np.ndarray, r
 
 
 def cut_shards(est_bytes: np.ndarray, target_bytes: int, max_samples: int | None) -> np.ndarray:
-    """Cut points over samples in plan order: a shard ends before the sample that would pass `target_bytes`
+    """Cut points over samples in layout order: a shard ends before the sample that would pass `target_bytes`
     (estimated) or `max_samples`. Returns [0, ..., n]. Walks the sizes in chunks (no Python int per item)."""
     cuts = [0]
     cur, start = 0, 0
@@ -178,8 +178,8 @@ def fingerprint(options: dict, keys: pa.Array, digests: np.ndarray, cuts: np.nda
     return h.hexdigest()
 
 
-def make_plan(cfg, scans: list[PartScan], path_of: Callable[[int, int], str]) -> Plan:
-    """The whole plan from the scans (any order; sorted by part here). `path_of(part, row)` gives a candidate's
+def lay_out(cfg, scans: list[PartScan], path_of: Callable[[int, int], str]) -> Layout:
+    """The whole layout from the scans (any order; sorted by part here). `path_of(part, row)` gives a candidate's
     audio path (only asked for duplicates). Raises PackError under cfg.strict at the first reject in input order.
     Consumes `scans`: the list is emptied once its columns are concatenated, so that the driver's peak holds each
     column once (pass a list nobody else keeps)."""
@@ -219,16 +219,16 @@ def make_plan(cfg, scans: list[PartScan], path_of: Callable[[int, int], str]) ->
     by = np.lexsort((key_rank, dur[acc]))
     del key_rank, dur
     order = acc[by]
-    plan_keys = acc_keys.take(pa.array(by)) if len(by) else acc_keys
+    sorted_keys = acc_keys.take(pa.array(by)) if len(by) else acc_keys
     del acc_keys, acc, by
     cuts = cut_shards(est[order], int(cfg.target_shard_mb * (1 << 20)), cfg.max_samples_per_shard)
     del est
-    fp = fingerprint(cfg.dataset_options(), plan_keys, digest[order] if len(order) else digest[:0], cuts)
-    return Plan(fingerprint=fp, samples=len(order), shards=len(cuts) - 1 if len(cuts) else 0, items=items,
-                rejects=rejects, _order=order, _cuts=cuts, _starts=starts, _keys=plan_keys)
+    fp = fingerprint(cfg.dataset_options(), sorted_keys, digest[order] if len(order) else digest[:0], cuts)
+    return Layout(fingerprint=fp, samples=len(order), shards=len(cuts) - 1 if len(cuts) else 0, items=items,
+                  rejects=rejects, _order=order, _cuts=cuts, _starts=starts, _keys=sorted_keys)
 
 
-def iter_specs(plan: Plan, skip: set[int] | frozenset = frozenset()) -> Iterator[ShardSpec]:
-    for i in range(plan.shards):
+def iter_specs(layout: Layout, skip: set[int] | frozenset = frozenset()) -> Iterator[ShardSpec]:
+    for i in range(layout.shards):
         if i not in skip:
-            yield plan.spec(i)
+            yield layout.spec(i)
