@@ -47,6 +47,7 @@ class OldestFirstPool:
                     fut.set_result(fn(*args))
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting reader
                     fut.set_exception(e)
+            del fut, fn, args  # an idle thread must not keep its last task's batch and run buffers alive
 
     def shutdown(self) -> None:
         with self._lock:

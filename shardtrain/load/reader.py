@@ -31,7 +31,7 @@ from shardtrain.format.codecs import CODECS
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.tar import BLOCK, KEY_RE, parse_header
 from shardtrain.format.validate import MAX_JSON_BYTES, show
-from shardtrain.load.buffers import BatchBuffers
+from shardtrain.load.buffers import BatchBuffers, release_pages
 from shardtrain.load.errors import StreamError
 from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, RUN_GAP_BYTES, Chunk, PlanIndex
 from shardtrain.load.pool import OldestFirstPool
@@ -340,9 +340,14 @@ class ChunkReader:
 
     def _decode_rows(self, buf: memoryview, base: int, have: int, rows: list, track: "_Tracker") -> None:
         """One decode task: rows (row, (batch, lazy batch, slot), check verdict) whose bytes are all in `buf`;
-        each result goes to `track`, which hands a batch over once its last row is in."""
+        each result goes to `track`, which hands a batch over once its last row is in. A decoded row's audio
+        bytes are needed no more: their pages go back to the kernel (buffers.release_pages)."""
+        run = np.frombuffer(buf, np.uint8)
         for r, (b, lazy, i), chk in rows:
-            track.put(b, r, self._decode(buf, base, have, r, lazy.row(i, self.buffers), chk))
+            result = self._decode(buf, base, have, r, lazy.row(i, self.buffers), chk)
+            a0 = int(self.idx.audio_offset[r]) - base
+            release_pages(run, a0, a0 + int(self.idx.audio_size[r]))
+            track.put(b, r, result)
 
     def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, order: int = 0) -> ChunkBatches:
         """`start`, then every batch gathered into one ChunkBatches (read_members; the loader takes batches one
@@ -521,6 +526,8 @@ class _Tracker:
             fut.set_result(ChunkBatches(self.epoch, self.first_step + b, out, errors, timings))
         except BaseException as e:  # noqa: BLE001 - strict mode's StreamError, or a bug: the loader raises it
             fut.set_exception(e)
+        if lazy is not None:  # the batch is the trainer's now: a task still holding this lazy must not keep it
+            lazy.pcm = None
         self.results[b], self.padded[b] = None, None
 
 
