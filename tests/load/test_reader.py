@@ -3,6 +3,7 @@ import os
 import shutil
 
 import numpy as np
+import torch
 import pytest
 import soundfile
 
@@ -73,3 +74,36 @@ def test_rows_out_of_range_or_repeated_are_refused(packed):
         list(read_members(open_dataset(url), [0, len(DURS)]))
     with pytest.raises(ValueError, match="at most once"):
         list(read_members(open_dataset(url), [1, 1]))
+
+
+def test_first_batch_of_a_chunk_is_handed_over_before_the_others_decode(packed):
+    """ChunkReader.start decodes batch by batch and resolves each batch's Future when its last row is in: with
+    one decode thread, batch 0 is complete while no later batch has resolved; `load` gathers the same rows."""
+    import threading
+
+    from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, Chunk, PlanIndex
+    from shardtrain.load.reader import ChunkReader
+
+    _, url = packed
+    ds = open_dataset(url)
+    idx = PlanIndex.from_table(ds.read_index(columns=list(PLAN_COLUMNS) + list(CHECK_COLUMNS)))
+    reader = ChunkReader(ds, idx, StreamConfig(decode_threads=1))
+    batches = (np.array([9, 0, 4]), np.array([1, 8]), np.array([2, 7, 3]), np.array([5, 6]))
+    chunk = Chunk(rows=np.arange(10), batches=batches)
+    gate = threading.Event()
+    try:
+        reader.decode_pool.submit(-1, gate.wait)  # holds the one decode thread until every row is queued
+        head = reader.start(chunk, epoch=0, first_step=5, skip_batches=0)
+        seen = []
+        head.batches[0].add_done_callback(lambda f: seen.append([g.done() for g in head.batches]))
+        gate.set()
+        parts = [f.result() for f in head.batches]
+        assert seen == [[True, False, False, False]]
+        assert [p.first_step for p in parts] == [5, 6, 7, 8]
+        whole = reader.load(chunk, epoch=0, first_step=5, skip_batches=0)
+        for p, b, want in zip(parts, whole.batches, batches):
+            assert [str(k) for k in p.batches[0][2]] == [idx.string_at("key", int(r)) for r in want]
+            assert torch.equal(p.batches[0][0], b[0])
+    finally:
+        reader.io_pool.shutdown(wait=False)
+        reader.decode_pool.shutdown()
