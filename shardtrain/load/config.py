@@ -47,7 +47,14 @@ class StreamConfig:
     """Decode threads of the training process. Decoding runs without the GIL (audio.decode_into), so threads scale with cores;
     one more thread than cores fills the short GIL-held gaps (2 cores: 3 threads ~+5% over 2)."""
     prefetch_chunks: int = 2
-    """Chunks read and decoded ahead; memory ~ prefetch_chunks x batches_per_chunk decoded batches."""
+    """Chunks in flight, the one being taken included: read, their rows queued for the decode threads (batch by
+    batch, oldest first; reader.ChunkReader.start). Memory: their shard bytes (released row by row as decoded)
+    plus ~3 decoded batches when the trainer keeps up, up to prefetch_chunks x batches_per_chunk when it does not."""
+    decode_ahead: int = 1
+    """Batches the decode threads may work on past the one the trainer waits for (load/pool.py's gate). 1 keeps
+    3 threads busy on 2 cores when the trainer keeps up (the next batch starts while this one's last rows
+    finish) and holds peak memory at ~3 decoded batches (the trainer's, the awaited one, the next); each more
+    absorbs a trainer's step jitter for one batch's memory (~19 MB float32 at 300 s, 16 kHz)."""
     retries: int | None = None
     """Cap on failed tries in a row of one read (None: only `retry_budget_s` limits them)."""
     retry_budget_s: float = 120.0
@@ -114,6 +121,8 @@ class StreamConfig:
             raise ValueError(NUM_WORKERS_REMOVED.format(n=self.num_workers))
         if self.decode_threads < 1:
             raise ValueError("stream.decode_threads must be >= 1")
+        if self.decode_ahead < 0:
+            raise ValueError("stream.decode_ahead must be >= 0")
         if self.prefetch_chunks < 1:
             raise ValueError("stream.prefetch_chunks must be >= 1")
         if self.epochs is not None and self.epochs < 1:

@@ -27,7 +27,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
-from typing import Generator, Iterator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
@@ -126,10 +126,11 @@ def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor)
         ahead.shutdown(wait=False, cancel_futures=True)
 
 
-def _load(reader: ChunkReader, item: _Item, order: int) -> _Loaded:
+def _load(reader: ChunkReader, item: _Item, seq: int) -> _Loaded:
+    """Read `item` and queue its rows; `seq`: the number of its first batch in this stream (decode priority)."""
     rd = copy.copy(reader)  # a view over this chunk's index, sharing the reader's pools and cache
     rd.idx = item.rc.index
-    cb = rd.start(item.rc.chunk, item.epoch, item.first_step, item.skip, order)
+    cb = rd.start(item.rc.chunk, item.epoch, item.first_step, item.skip, seq)
     planned = [len(b) for b in item.rc.chunk.batches[item.skip:]]
     return _Loaded(cb, item.rc, item.steps, item.rows, planned)
 
@@ -139,13 +140,21 @@ class ChunkStream:
 
     def __init__(self, planner: Planner, world: World, cfg: StreamConfig, start: _Cursor):
         self.planner, self.world, self.cfg, self.start = planner, world, cfg, start
+        self.advance: Callable[[int], None] = lambda n: None
+        """The decode gate's `advance` once iterating (load/pool.py)."""
 
     def __iter__(self) -> Iterator[_Loaded]:
+        """Chunks in schedule order; batches are numbered from 0 in the order they are yielded, and `advance(n)`
+        (the Loader, before it waits for batch n) lets the decode threads work up to `decode_ahead` past it."""
         reader = ChunkReader(self.planner.data, None, self.cfg)  # type: ignore[arg-type]
+        reader.decode_pool.gate(self.cfg.decode_ahead)
+        self.advance = reader.decode_pool.advance
         pending: list[Future] = []
+        seq = 0
         try:
             for j, item in enumerate(_schedule(self.planner, self.world, self.cfg, self.start)):
-                pending.append(reader.io_pool.submit(_load, reader, item, j))
+                pending.append(reader.io_pool.submit(_load, reader, item, seq))
+                seq += len(item.rc.chunk.batches) - item.skip
                 if j == 0:  # the first read runs alone: its batch waits for no other read (first batch 0.18 -> 0.13 s)
                     wait(pending[:1])
                 if len(pending) >= self.cfg.prefetch_chunks:
@@ -298,11 +307,14 @@ class Loader:
     def __iter__(self) -> Generator[tuple[Batch, dict], None, None]:
         pin = torch.cuda.is_available()
         per_dataset = self.counters.get("dataset_seconds")
-        for loaded in self._chunk_stream():
+        stream, seq = self._chunk_stream(), 0
+        for loaded in stream:
             head = loaded.batches
             for k, v in head.timings.items():
                 self.stage_s[k] += v
             for i, fut in enumerate(head.batches):
+                stream.advance(seq)
+                seq += 1
                 item = fut.result()  # this batch's rows are decoded (the chunk's later batches may not be)
                 head.batches[i] = ()  # the trainer holds the batch now; its buffer is recycled when it drops it
                 for k, v in item.timings.items():

@@ -368,7 +368,7 @@ class ChunkReader:
 
         Each row decodes straight into its slot of a padded batch as soon as the piece holding its bytes has
         arrived (decoding overlaps the rest of the transfer). Rows are decoded batch by batch (the decode pool
-        takes the lowest (order, batch) first), and a batch's memory (recycled: load/buffers.py) is taken when its
+        takes the lowest batch number first; the loader gates how far ahead: StreamConfig.decode_ahead), and a batch's memory (recycled: load/buffers.py) is taken when its
         first row is decoded: a chunk holds about two batches being decoded, not all of them, and its first batch
         reaches the trainer after a quarter of the chunk's decode instead of all of it (peak RSS on the 4k
         benchmark corpora -25 MB). The dtype is the trainer's (`pcm_dtype`): the decoder writes float32 as fast
@@ -425,7 +425,8 @@ class ChunkReader:
     def _submit(self, view: memoryview, base: int, have: int, ready: list, order: int, track: "_Tracker",
                 strings: dict[int, tuple] | None) -> None:
         """Check rows whose bytes have arrived; failures go to `track` at once, the rest to the decode pool in
-        tasks of up to ROWS_PER_TASK rows of one batch, the chunk's `order` and the batch first."""
+        tasks of up to ROWS_PER_TASK rows of one batch, at priority `order` (the number of the chunk's first batch
+        in the stream) + the batch's place in the chunk: the oldest batch first."""
         t0 = time.perf_counter()
         checks = self._check_rows(view, base, have, [r for r, _ in ready], strings)
         per_row = (time.perf_counter() - t0) / len(ready)
@@ -437,7 +438,7 @@ class ChunkReader:
                 track.put(at[0], r, (key, "", 0, err, per_row, 0.0))
         for b, rows in sorted(todo.items()):
             for g in range(0, len(rows), ROWS_PER_TASK):
-                fut = self.decode_pool.submit((order << 16) + min(b, 0xFFFF), self._decode_rows, view, base, have,
+                fut = self.decode_pool.submit(order + b, self._decode_rows, view, base, have,
                                               rows[g:g + ROWS_PER_TASK], track)
                 fut.add_done_callback(functools.partial(track.failed, b))
 
