@@ -133,14 +133,23 @@ class _LazyBatch:
 
 def _byte_runs(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int]]:
     """(shard, start, end) byte ranges covering `rows` (ascending), merging rows separated by small gaps."""
-    runs: list[list[int]] = []
+    return [run[:3] for run in _runs_with_rows(idx, rows)]
+
+
+def _runs_with_rows(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int, np.ndarray]]:
+    """`_byte_runs` with the rows each run reads: every row in exactly one run, in ascending byte order inside it.
+    A mixture's gathered index may hold a sample twice (a dataset repeated to its weight): the second copy never
+    joins a run already past its bytes, so it gets a run (a buffer) of its own, and no row is read or counted
+    twice (a batch resolves when each of its rows is in once; a decoded row's pages are released)."""
+    runs: list[list] = []
     for r in rows:
         s, a, b = int(idx.shard[r]), int(idx.offset[r]), int(idx.offset[r] + idx.size[r])
         if runs and runs[-1][0] == s and 0 <= a - runs[-1][2] <= RUN_GAP_BYTES:
             runs[-1][2] = max(runs[-1][2], b)
+            runs[-1][3].append(int(r))
         else:
-            runs.append([s, a, b])
-    return [tuple(r) for r in runs]  # type: ignore[misc]
+            runs.append([s, a, b, [int(r)]])
+    return [(s, a, b, np.asarray(rr, np.int64)) for s, a, b, rr in runs]
 
 
 class ChunkReader:
@@ -391,8 +400,7 @@ class ChunkReader:
         rows = np.sort(np.fromiter(slot, np.int64, len(slot)))
         t0 = time.perf_counter()
         strings = self._index_strings(rows) if idx.key is not None and len(rows) else None
-        for shard, start, end in _byte_runs(idx, rows):
-            run_rows = rows[(idx.shard[rows] == shard) & (idx.offset[rows] >= start) & (idx.offset[rows] < end)]
+        for shard, start, end, run_rows in _runs_with_rows(idx, rows):
             self._read_run(shard, start, end, run_rows, slot, order, track, strings)
         timings["read"] = time.perf_counter() - t0
         return ChunkBatches(epoch=epoch, first_step=first_step, batches=track.futures, errors=[], timings=timings)

@@ -107,3 +107,32 @@ def test_first_batch_of_a_chunk_is_handed_over_before_the_others_decode(packed):
     finally:
         reader.io_pool.shutdown(wait=False)
         reader.decode_pool.shutdown()
+
+
+def test_a_sample_twice_in_one_chunk_decodes_twice(packed):
+    """A mixture's gathered index can hold one sample twice (a dataset repeated to its weight): each copy is read
+    into a run of its own and decoded into its own batch row (found by test_preflight's mixture epoch)."""
+    import dataclasses
+
+    from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, Chunk, PlanIndex
+    from shardtrain.load.reader import ChunkReader
+
+    _, url = packed
+    ds = open_dataset(url)
+    table = ds.read_index(columns=list(PLAN_COLUMNS) + list(CHECK_COLUMNS))
+    base = PlanIndex.from_table(table)
+    take = np.array([0, 1, 2, 1, 3, 0])  # rows 3 and 5 repeat samples 1 and 0
+    idx = PlanIndex(**{f.name: (getattr(base, f.name)[take] if isinstance(getattr(base, f.name), np.ndarray)
+                                else getattr(base, f.name).take(take)) for f in dataclasses.fields(PlanIndex)})
+    reader = ChunkReader(ds, idx, StreamConfig())
+    try:
+        got = reader.load(Chunk(rows=np.arange(6), batches=(np.array([0, 3, 4]), np.array([1, 2, 5]))), 0, 0, 0)
+    finally:
+        reader.io_pool.shutdown(wait=False)
+        reader.decode_pool.shutdown()
+    assert got.errors == []
+    (pcm0, len0, keys0, *_), (pcm1, len1, keys1, *_) = got.batches
+    assert keys0 == [idx.string_at("key", r) for r in (0, 3, 4)] and keys1 == [idx.string_at("key", r) for r in (1, 2, 5)]
+    assert torch.equal(pcm0[1, :len0[1]], pcm1[0, :len1[0]])  # sample 1, both copies
+    assert torch.equal(pcm0[0, :len0[0]], pcm1[2, :len1[2]])  # sample 0, both copies
+    assert float(pcm0[1].abs().max()) > 0
