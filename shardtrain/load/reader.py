@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Generator, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -530,7 +530,7 @@ class _Tracker:
             t0 = time.perf_counter()
             timings = {"parse": 0.0, "decode": 0.0}
             out, errors = reader._assemble([self.wanted[b]], [lazy.array(reader.buffers)],  # type: ignore[union-attr]
-                                           self.results[b], timings)
+                                           self.results[b] or {}, timings)
             timings["batch"] = time.perf_counter() - t0
             fut.set_result(ChunkBatches(self.epoch, self.first_step + b, out, errors, timings))
         except BaseException as e:  # noqa: BLE001 - strict mode's StreamError, or a bug: the loader raises it
@@ -554,7 +554,7 @@ class Member(NamedTuple):
 
 
 def read_members(ds: Dataset, rows: Sequence[int] | np.ndarray, cfg: StreamConfig | None = None,
-                 group: int = 16) -> Iterator[Member]:
+                 group: int = 16) -> Generator[Member, None, None]:
     """Members of `ds` by index row, in the order given, read and decoded by the loader's own path.
 
     The one way to read a member outside an epoch (the noise and RIR banks of train/augment.py, the augment demo):
