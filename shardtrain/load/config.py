@@ -52,10 +52,10 @@ class StreamConfig:
     plus ~3 decoded batches when the trainer keeps up, up to prefetch_chunks x batches_per_chunk when it does not."""
     decode_ahead: int = 1
     """How far the decode threads run ahead (load/pool.py's gate): a batch starts only when it is at most
-    decode_ahead + 1 past the earlier of the batch the trainer waits for and the last batch decoded. 1: a trainer
-    slower than the loader finds its next 2 batches decoded, and peak memory holds ~3 decoded batches (the
-    trainer's and 2 ahead) instead of up to prefetch_chunks x batches_per_chunk; each more absorbs more step jitter
-    for one batch's memory (~19 MB float32 at 300 s, 16 kHz)."""
+    decode_ahead past the one the trainer waits for. 1: the next batch decodes during the trainer's step (and
+    while this one's last rows finish), and peak memory holds 3 decoded batches (the trainer's, the awaited one,
+    the next) instead of up to prefetch_chunks x batches_per_chunk; each more absorbs more step jitter for one
+    batch's memory (~19 MB float32 at 300 s, 16 kHz)."""
     retries: int | None = None
     """Cap on failed tries in a row of one read (None: only `retry_budget_s` limits them)."""
     retry_budget_s: float = 120.0

@@ -16,12 +16,12 @@ class OldestFirstPool:
     chunks in flight).
     Tasks are ordered by (priority, submission order); `shutdown` cancels what has not started.
 
-    `gate(ahead)`, then `advance(n)` (the consumer waits for batch n) and `resolved(n)` (batch n is decoded):
-    priorities are batch numbers, and a task runs only when its batch is at most min(awaited, resolved) + ahead + 1.
-    So decoded batches never pile up past what the trainer takes next (a slow trainer: its batch and ahead + 1
-    more; on the 4k benchmark corpora the peak held ~3 batch buffers instead of up to a chunk's), while the
-    threads go on to the next batch the moment one is decoded, not once the trainer has woken for it (a GIL
-    switch interval, up to 5 ms a batch with 2 of 3 threads idle). No deadlock: the awaited batch is never held.
+    `gate(ahead)`, then `advance(n)` (the consumer waits for batch n): priorities are batch numbers, and a task
+    runs only when its batch is at most n + ahead. So decoded batches never pile up past what the trainer takes
+    next: on the 4k benchmark corpora the peak held 3 batch buffers (the trainer's, the awaited one, the next)
+    instead of up to a chunk's. Letting the threads on as soon as a batch is decoded, before the trainer wakes
+    for it, was tried: the 4th buffer it touches raised peak RSS by up to 18 MB under load. No deadlock: the
+    awaited batch is never held.
     """
 
     _STOP = (float("inf"), -1, None, None, ())
@@ -33,7 +33,6 @@ class OldestFirstPool:
         self._closed = False
         self._ahead: int | None = None
         self._frontier = 0
-        self._resolved = -1
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -50,7 +49,7 @@ class OldestFirstPool:
         return fut
 
     def gate(self, ahead: int) -> None:
-        """From now on run a task only when its priority is at most min(awaited, resolved) + `ahead` + 1."""
+        """From now on run a task only when its priority is at most the awaited batch (`advance`) + `ahead`."""
         with self._cv:
             self._ahead = ahead
             self._cv.notify_all()
@@ -62,20 +61,12 @@ class OldestFirstPool:
                 self._frontier = frontier
                 self._cv.notify_all()
 
-    def resolved(self, n: int) -> None:
-        """Batch `n` is decoded (the highest so far counts)."""
-        with self._cv:
-            if n > self._resolved:
-                self._resolved = n
-                self._cv.notify_all()
-
     def _next(self) -> tuple:
         with self._cv:
             while True:
                 if self._heap:
                     head = self._heap[0]
-                    if head[2] is None or self._ahead is None or \
-                            head[0] <= min(self._frontier, self._resolved) + self._ahead + 1:
+                    if head[2] is None or self._ahead is None or head[0] <= self._frontier + self._ahead:
                         return heapq.heappop(self._heap)
                 self._cv.wait()
 

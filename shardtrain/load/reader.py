@@ -395,7 +395,7 @@ class ChunkReader:
             for i, r in enumerate(rows_b.tolist()):
                 slot[r] = (bi, lazy, i)
             padded.append(lazy)
-        track = _Tracker(self, wanted, padded, epoch, first_step, order)
+        track = _Tracker(self, wanted, padded, epoch, first_step)
         timings = {"batch": time.perf_counter() - t0}
         rows = np.sort(np.fromiter(slot, np.int64, len(slot)))
         t0 = time.perf_counter()
@@ -489,8 +489,8 @@ class _Tracker:
     handed over keeps its result. Results and buffers of a handed-over batch are dropped here at once."""
 
     def __init__(self, reader: ChunkReader, wanted: Sequence[np.ndarray], padded: list[_LazyBatch], epoch: int,
-                 first_step: int, order: int = 0):
-        self.reader, self.wanted, self.order = reader, list(wanted), order
+                 first_step: int):
+        self.reader, self.wanted = reader, list(wanted)
         self.padded: list[_LazyBatch | None] = list(padded)
         self.epoch, self.first_step = epoch, first_step
         self.left = [len(b) for b in wanted]
@@ -535,7 +535,6 @@ class _Tracker:
             fut.set_result(ChunkBatches(self.epoch, self.first_step + b, out, errors, timings))
         except BaseException as e:  # noqa: BLE001 - strict mode's StreamError, or a bug: the loader raises it
             fut.set_exception(e)
-        reader.decode_pool.resolved(self.order + b)  # the decode gate may let the threads on
         if lazy is not None:  # the batch is the trainer's now: a task still holding this lazy must not keep it
             lazy.pcm = None
         self.results[b], self.padded[b] = None, None
