@@ -23,7 +23,7 @@ def config() -> RunConfig:
     return RunConfig(
         stream=StreamConfig(bucket=BucketConfig(max_batch_seconds=600.0, padded_budget=True, num_buckets=30,
                                                 quadratic_duration_s=60.0, chunk_mb=64.0),
-                            num_workers=4, decode_threads=4, prefetch_chunks=2),
+                            decode_threads=4, prefetch_chunks=2),
         augment=AugmentConfig(),
         features=FeatureConfig(n_mels=80),
         model=SIZES["base"],

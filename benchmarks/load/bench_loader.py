@@ -3,10 +3,12 @@
     corpus (espeak-ng speech, or --corpus tone) -> `shardtrain pack` (16 MB shards; cached in --work-dir)
     decode-only limit: every shard read + every FLAC member decoded to int16, one process per core, with
                        soundfile over BytesIO and with shardtrain's decode_into; the faster one is the 100%
-    for storage in (local disk, SeaweedFS on loopback) x workers in (0, 1, 2):
-        shardtrain: shardtrain.load.bench.bench_loader (planned duration buckets under --max-batch-seconds)
+    for storage in (local disk, SeaweedFS on loopback):
+        shardtrain: shardtrain.load.bench.bench_loader (planned duration buckets under --max-batch-seconds;
+                    decode threads in its own process, no worker processes)
         webdataset: WebDataset(urls, shardshuffle) -> shuffle(1000) -> soundfile decode -> fixed batch size
-                    (the batch size that holds the same mean audio as a shardtrain batch) -> DataLoader(workers)
+                    (the batch size that holds the same mean audio as a shardtrain batch) -> DataLoader(workers),
+                    for workers in (0, 1, 2)
     -> audio-s/s, samples/s, padding efficiency, first-batch latency, peak RSS (process tree), and the ratios
        shardtrain / webdataset and shardtrain / decode-limit; one JSON line per run, a JSON file and a table
 
@@ -38,7 +40,8 @@ SAMPLE_RATE_HZ = 16000
 # ---------------------------------------------------------------------------------------------- runners
 def run_shardtrain(url: str, workers: int, max_batch_seconds: float, seed: int = 0,
                    decode_threads: int | None = None, storage_options: dict | None = None, epochs: int = 1) -> dict:
-    """`epochs` of the real loader on one rank (shardtrain.load.bench: the clock includes reading the index)."""
+    """`epochs` of the real loader on one rank (shardtrain.load.bench: the clock includes reading the index).
+    `workers` must be 0 (the loader has no worker processes; StreamConfig refuses others)."""
     from shardtrain.load.bench import BenchConfig, bench_loader
     from shardtrain.load.plan import BucketConfig
     from shardtrain.load.config import StreamConfig
@@ -343,10 +346,10 @@ def main(args: argparse.Namespace) -> dict:
                               {"shardtrain": {"max_batch_seconds": args.max_batch_seconds, "seed": args.seed,
                                               "epochs": args.epochs},
                                "webdataset": {"batch_size": bs, "seed": args.seed, "epochs": args.epochs},
-                               "decode-limit": {"epochs": args.epochs}}, jsonl)
+                               "decode-limit": {"epochs": args.epochs}}, jsonl, tool_workers={"shardtrain": [0]})
         finally:
             targets.close()
-    table, summary = rows_for_table(runs, limit)
+    table, summary = rows_for_table(runs, limit, ref_workers=0)
     md = common.markdown_table(table, COLUMNS)
     result = {"benchmark": "bench_loader", "git_sha": common.git_sha(), "machine": common.machine(),
               "config": {**vars(args), "webdataset_batch_size": bs}, "dataset": info,
@@ -366,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--utterances", type=int, default=4000, help="corpus size (>= 4,000 for the issue's figures)")
     ap.add_argument("--corpus", choices=["speech", "tone"], default="speech", help="espeak-ng speech or tones")
-    ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts of webdataset (shardtrain: threads, 0 workers)")
     ap.add_argument("--storage", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (median and min-max reported)")
     ap.add_argument("--epochs", type=int, default=1,

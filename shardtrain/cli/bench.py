@@ -18,9 +18,10 @@ def _add_bench(sub) -> None:
     p.add_argument("dataset", metavar="DATASET", help="dataset folder or URL (s3://bucket/prefix)")
     p.add_argument("--epochs", type=int, default=1, help="epochs to run (default 1; 0 = until --max-batches)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0: threads only)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="removed: worker processes ran slower than decode threads; only 0 (use --decode-threads)")
     p.add_argument("--decode-threads", type=int, default=3,
-                   help="decode threads per process (default 3: one more than 2 cores; decoding runs without the GIL)")
+                   help="decode threads of the loader (default 3: one more than 2 cores; decoding runs without the GIL)")
     p.add_argument("--pcm-dtype", choices=("float32", "int16"), default="float32",
                    help="batch dtype; int16 halves host memory traffic and converts on the device")
     p.add_argument("--max-batch-seconds", type=float, default=300.0, help="audio seconds per batch (default 300)")

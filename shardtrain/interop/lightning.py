@@ -2,7 +2,7 @@
 
     Trainer(global_rank, world_size) -> ShardDataModule.train_dataloader()
       -> build_loader(world=World(rank, world_size), state=cursor from the checkpoint) -> BatchStream
-      -> DataLoader(batch_size=None, num_workers=0)  (the loader decodes in threads / its own workers)
+      -> DataLoader(batch_size=None, num_workers=0)  (the loader decodes in its own threads)
       -> Lightning's prefetch -> on_before_batch_transfer (the batch now being trained: its cursor becomes the
          datamodule's state) -> Batch.to(device) -> CTCLightningModule.training_step
 

@@ -5,9 +5,9 @@
       -> torchdata StatefulDataLoader(stream, batch_size=None)          its state_dict() carries the loader cursor
 
 Why a wrapper instead of passing the Loader itself: a DataLoader with worker processes would copy the Loader into
-every worker and each would yield the whole epoch (duplicates), and the Loader already decodes in threads and can
-use its own worker processes (`stream.num_workers`), which keep plan order. So BatchStream refuses to run inside
-a DataLoader worker, and with `num_workers=0` the DataLoader adds only its per-item overhead (no prefetch: the
+every worker and each would yield the whole epoch (duplicates), and the Loader already decodes in threads of this
+process (`stream.decode_threads`; worker processes measured slower and were removed). So BatchStream refuses to run
+inside a DataLoader worker, and with `num_workers=0` the DataLoader adds only its per-item overhead (no prefetch: the
 state read after `next()` is exactly that of the batch just returned).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ class BatchStream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError("BatchStream runs in the main process: use DataLoader(stream, batch_size=None, "
-                               "num_workers=0) and set stream.num_workers for worker processes (they keep plan order)")
+                               "num_workers=0); the loader decodes in its own threads: set stream.decode_threads for more")
         return self.loader.batches()
 
     def state_dict(self) -> dict[str, Any]:

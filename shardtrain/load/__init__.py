@@ -3,8 +3,9 @@
     config.py   StreamConfig (what the loader does; owns BucketConfig through plan.py)
     plan.py     the epoch plan: a pure function from index metadata to every rank's chunks and batches
     rowfilter.py load-time row filters (duration, speakers): one row mask every rows planner leaves out
-    pool.py     the decode thread pool that serves the oldest chunk first
-    reader.py   one chunk: ranged reads by index offsets -> decode into batch rows -> ChunkBatches
+    pool.py     the decode thread pool that serves the oldest batch first, gated by how far ahead it may run
+    reader.py   one chunk: ranged reads by index offsets -> decode into batch rows -> a Future per batch;
+                read_members: any index rows through the same path (the noise bank's reads)
     batch.py    Batch (padded waves + lengths + keys/texts) and pcm_to_float
     planner.py  the planner seam (Planner, EpochView, RankChunk, Shards) with the rows and blocks planners
     loader.py   Loader / build_loader: any planner -> reader -> (Batch, state) with resume and elastic re-stripe

@@ -4,7 +4,7 @@
       -> Batch(waves [B, T] zero-padded, lengths [B] int64, ..., rows/sources: where each utterance came from)
       -> .to(device) / .pin_memory() in the trainer (rows and sources stay numpy on the host)
 
-int16 batches (worker processes: half the bytes through shared memory) become float32 with pcm_to_float on the
+int16 batches (`pcm_dtype="int16"`: half the host memory and copy) become float32 with pcm_to_float on the
 device, which is where the trainer and `shardtrain bench` both convert them.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
     build_loader(...) -> (Batch, state) -> [H2D copy] -> [device augmentation] -> simulated step (sleep step_ms)
 
 Reports throughput (audio-s/s, samples/s), padding efficiency (real samples / padded samples), time to first
-batch, peak RSS of the whole process tree (workers included), skipped samples, the share of step time spent
+batch, peak RSS of the whole process tree, skipped samples, the share of step time spent
 waiting for data when a step time is simulated, the data wait of the first steps of every epoch against the
 median step's (epoch boundaries should not stall a trainer), and per-stage seconds (read, parse, decode, batch,
 collate, and h2d / augment when they ran) with each stage's own rate (audio seconds / stage seconds, summed over
@@ -49,7 +49,7 @@ class BenchConfig:
 
 
 class RssSampler:
-    """Peak resident memory of this process plus its children (DataLoader workers).
+    """Peak resident memory of this process plus its children (other tools' DataLoader workers, decode pools).
 
     Own RSS is read every `interval_s` (one small /proc read); children are listed only every `children_every`
     samples, because listing them scans all of /proc while holding the GIL: at 20 Hz that cost a threaded loader

@@ -1,7 +1,7 @@
 """StreamConfig: everything the loader does, in one frozen dataclass owned by the `load` room.
 
 Planning (BucketConfig from plan.py), reading (piece size, retries and the retry budget, direct S3 HTTP, the
-local shard cache), decoding (threads, worker processes, int16 or float32 PCM) and the error policy (strict,
+local shard cache), decoding (threads, int16 or float32 PCM) and the error policy (strict,
 the share of an epoch that may be skipped as bad data). Each field's docstring gives its unit and cost.
 """
 from __future__ import annotations
@@ -24,6 +24,13 @@ def refuse_ignored_fields(bucket: BucketConfig, why: str) -> None:
                              f"({why}): leave it at its default, or set stream.planner=rows")
 
 
+NUM_WORKERS_REMOVED = (
+    "stream.num_workers={n}: DataLoader worker processes were removed (they ran at 0.66-0.83x the in-process decode "
+    "threads with twice the memory); the loader decodes in threads of the training process: set "
+    "stream.decode_threads (default 3: one more than the cores it should use) and leave num_workers at 0, and "
+    "wrap the loader in a DataLoader only with num_workers=0 (or not at all)")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StreamConfig:
     bucket: BucketConfig = field(default_factory=BucketConfig)
@@ -32,12 +39,23 @@ class StreamConfig:
     """Stop after this many epochs (default one: a loader built with defaults ends, like any Python iterable).
     None streams endlessly, which a trainer asks for explicitly and stops on its own step count (max_steps)."""
     num_workers: int = 0
-    """DataLoader worker processes. 0 decodes in threads of the main process (fastest on few cores)."""
+    """Removed: only 0 is accepted (kept so a config or checkpoint that says 0 still loads). DataLoader worker
+    processes measured 0.66-0.83x the in-process decode threads at twice the peak RSS (benchmarks/load/compare.py:
+    decoding releases the GIL, and workers add an int16 copy through shared memory plus a float32 conversion in
+    the trainer); decode parallelism is `decode_threads`."""
     decode_threads: int = 3
-    """Decode threads per process. Decoding runs without the GIL (audio.decode_into), so threads scale with cores;
+    """Decode threads of the training process. Decoding runs without the GIL (audio.decode_into), so threads scale with cores;
     one more thread than cores fills the short GIL-held gaps (2 cores: 3 threads ~+5% over 2)."""
     prefetch_chunks: int = 2
-    """Chunks read and decoded ahead per process; memory ~ prefetch_chunks x batches_per_chunk decoded batches."""
+    """Chunks in flight, the one being taken included: read, their rows queued for the decode threads (batch by
+    batch, oldest first; reader.ChunkReader.start). Memory: their shard bytes (released row by row as decoded)
+    plus ~3 decoded batches when the trainer keeps up, up to prefetch_chunks x batches_per_chunk when it does not."""
+    decode_ahead: int = 1
+    """How far the decode threads run ahead (load/pool.py's gate): a batch starts only when it is at most
+    decode_ahead past the one the trainer waits for. 1: the next batch decodes during the trainer's step (and
+    while this one's last rows finish), and peak memory holds 3 decoded batches (the trainer's, the awaited one,
+    the next) instead of up to prefetch_chunks x batches_per_chunk; each more absorbs more step jitter for one
+    batch's memory (~19 MB float32 at 300 s, 16 kHz)."""
     retries: int | None = None
     """Cap on failed tries in a row of one read (None: only `retry_budget_s` limits them)."""
     retry_budget_s: float = 120.0
@@ -86,8 +104,7 @@ class StreamConfig:
     A folder given here must be this user's and not writable by others (storage.private), else it is refused."""
     pcm_dtype: str = "float32"
     """Batch.waves dtype: "float32" in [-1, 1), or "int16" (raw PCM; half the host memory and copy to the device;
-    the trainer converts there). Decoded straight to this dtype in the training process (no conversion pass);
-    with worker processes batches cross as int16 and float32 costs one conversion per batch (~5 ms for 300 s)."""
+    the trainer converts there). Decoded straight to this dtype (no conversion pass)."""
 
     min_duration_s: float | None = None
     """Load-time filter: leave out utterances shorter than this (seconds; None: no lower bound). Filters are one
@@ -101,10 +118,12 @@ class StreamConfig:
     """Load-time filter: leave out these speakers."""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 0:
-            raise ValueError("stream.num_workers must be >= 0")
+        if self.num_workers != 0:
+            raise ValueError(NUM_WORKERS_REMOVED.format(n=self.num_workers))
         if self.decode_threads < 1:
             raise ValueError("stream.decode_threads must be >= 1")
+        if self.decode_ahead < 0:
+            raise ValueError("stream.decode_ahead must be >= 0")
         if self.prefetch_chunks < 1:
             raise ValueError("stream.prefetch_chunks must be >= 1")
         if self.epochs is not None and self.epochs < 1:

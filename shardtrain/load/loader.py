@@ -5,17 +5,16 @@
          either (load/mixplan.py; a single dataset is the mixture of one: same seam, no selection step)
       -> schedule: this rank's RankChunks from the cursor on, epoch after epoch; the next epoch is planned in a
          background thread while this one is read, the very first chunk is split so one batch comes first
-      -> ChunkStream: DataLoader worker w takes schedule item j when j % num_workers == w (plan order kept);
+      -> ChunkStream: the schedule's reads, `prefetch_chunks` in flight in reader threads (plan order kept);
          read_chunk: ranged reads, checks, decode into batch rows in a thread pool (load/reader.py)
-      -> Loader (main process): Batch (float32 [B, T] or int16, pinned when CUDA exists; rows and sources of
-         every utterance), the skip-share stop, counters (per-dataset seconds from the chunks' origins) -> state
+      -> Loader: Batch (float32 [B, T] or int16, pinned when CUDA exists; rows and sources of every utterance),
+         the skip-share stop, counters (per-dataset seconds from the chunks' origins) -> state
 
-Why threads, and why whole chunks per worker item: decoding in a thread pool inside one process reaches the
-decode-only limit without the inter-process copy (stack.md), so `num_workers=0` with `decode_threads=3` is the
-default; with worker processes, each DataLoader item is one chunk's batches, so DataLoader's round-robin over
-workers yields chunks in plan order whatever `num_workers` is. The state is a cursor (epoch, step, chain) kept by
-the main process, never by workers, so a checkpoint cannot run ahead of the trainer. After an epoch's last
-batch the cursor moves to (next epoch, 0): a state saved there resumes under any bucket config.
+Why threads and no worker processes: decoding in a thread pool inside one process reaches the decode-only limit
+without the inter-process copy (stack.md); DataLoader workers measured 0.66-0.83x of it at twice the peak RSS
+and were removed (StreamConfig.num_workers must stay 0). The state is a cursor (epoch, step, chain) kept by the
+Loader, never by reader threads, so a checkpoint cannot run ahead of the trainer. After an epoch's last batch the
+cursor moves to (next epoch, 0): a state saved there resumes under any bucket config.
 
 A resume with a different world size re-plans only the rest of the epoch: what was consumed under the old world
 size is recomputed from the (pure) planner and excluded (`chain` in the state), the same for every planner.
@@ -25,20 +24,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
-from typing import Generator, Iterator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
 
-from shardtrain import storage
 from shardtrain.format.arrownp import lean_memory_pool
 from shardtrain.load import rowfilter
 from shardtrain.load.batch import Batch
-from shardtrain.load.buffers import BatchBuffers
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.plan import BucketConfig, Chunk
 from shardtrain.load.mixplan import make_planner  # noqa: F401 (re-exported)
@@ -52,10 +48,6 @@ STATE_VERSION = 1
 PLAN_AHEAD_AFTER = 2
 """Reads of an epoch scheduled before the next epoch is planned in the background (at the start it would slow
 the first batch; later, the boundary would wait for the plan)."""
-PRESIGN_AHEAD = 1024
-"""Shards signed in the main process before DataLoader workers fork (~0.25 ms each), so a worker needs no S3
-client of its own to start; later shards are signed in the worker when first read."""
-
 __all__ = ["Loader", "build_loader", "StreamConfig", "StreamError", "Batch"]
 
 
@@ -82,11 +74,11 @@ class _Item:
 
 @dataclass(slots=True)
 class _Loaded:
-    """What crosses from a reader (thread or worker process) to the Loader: the chunk's batches plus, per batch,
-    the dataset row and dataset number of every kept utterance (from the chunk's origin: no second plan)."""
+    """What crosses from a reader thread to the Loader once a chunk's reads are done: one Future per batch
+    (ChunkReader.start), and the chunk whose origin maps kept rows to their dataset row and dataset number."""
 
     batches: ChunkBatches
-    origins: list[tuple[np.ndarray, np.ndarray]]
+    rc: RankChunk
     steps: int
     rows: int
     planned: list[int]
@@ -103,7 +95,7 @@ def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor)
     """This rank's reads from `start`, in plan order. The next epoch is planned in a thread once this one's first
     reads are scheduled, so an epoch boundary waits for nothing a steady step does not; the first chunk of the
     stream (at a start or a resume) is read one batch at a time, so the first batches wait for one batch's read
-    and decode each, not a whole chunk's. The reads are the plan's batches whatever their grouping, so resume and workers agree."""
+    and decode each, not a whole chunk's. The reads are the plan's batches whatever their grouping, so resume agrees."""
     epoch, step, chain = start.epoch, start.step, start.chain
     ahead = ThreadPoolExecutor(1, thread_name_prefix="plan")
     nxt: Future | None = None
@@ -134,37 +126,36 @@ def _schedule(planner: Planner, world: World, cfg: StreamConfig, start: _Cursor)
         ahead.shutdown(wait=False, cancel_futures=True)
 
 
-def _load(reader: ChunkReader, item: _Item, order: int) -> _Loaded:
+def _load(reader: ChunkReader, item: _Item, seq: int) -> _Loaded:
+    """Read `item` and queue its rows; `seq`: the number of its first batch in this stream (decode priority)."""
     rd = copy.copy(reader)  # a view over this chunk's index, sharing the reader's pools and cache
     rd.idx = item.rc.index
-    cb = rd.load(item.rc.chunk, item.epoch, item.first_step, item.skip, order)
-    origins = [item.rc.origin(b[5]) for b in cb.batches]
-    cb.batches = [b[:5] for b in cb.batches]
+    cb = rd.start(item.rc.chunk, item.epoch, item.first_step, item.skip, seq)
     planned = [len(b) for b in item.rc.chunk.batches[item.skip:]]
-    return _Loaded(cb, origins, item.steps, item.rows, planned)
+    return _Loaded(cb, item.rc, item.steps, item.rows, planned)
 
 
-class ChunkStream(torch.utils.data.IterableDataset):
-    """IterableDataset over this rank's schedule; each item is one read's batches (`_Loaded`).
-
-    Use with `DataLoader(ds, batch_size=None, num_workers=N)`; worker w loads the items at positions
-    w, w+N, ... of the schedule, so DataLoader's round-robin yields them in schedule order.
-    """
+class ChunkStream:
+    """This rank's schedule read ahead; each item is one read's batches (`_Loaded`), in schedule order."""
 
     def __init__(self, planner: Planner, world: World, cfg: StreamConfig, start: _Cursor):
         self.planner, self.world, self.cfg, self.start = planner, world, cfg, start
+        self.advance: Callable[[int], None] = lambda n: None
+        """The decode gate's `advance` once iterating (load/pool.py)."""
 
     def __iter__(self) -> Iterator[_Loaded]:
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        """Chunks in schedule order; batches are numbered from 0 in the order they are yielded, and `advance(n)`
+        (the Loader, before it waits for batch n) lets the decode threads work up to `decode_ahead` past it."""
         reader = ChunkReader(self.planner.data, None, self.cfg)  # type: ignore[arg-type]
+        reader.decode_pool.gate(self.cfg.decode_ahead)
+        self.advance = reader.decode_pool.advance
         pending: list[Future] = []
-        mine = ((j, item) for j, item in enumerate(_schedule(self.planner, self.world, self.cfg, self.start))
-                if j % nw == wid)
+        seq = 0
         try:
-            for j, item in mine:
-                pending.append(reader.io_pool.submit(_load, reader, item, j))
-                if j < nw:  # the first read runs alone: its batch waits for no other read (first batch 0.18 -> 0.13 s)
+            for j, item in enumerate(_schedule(self.planner, self.world, self.cfg, self.start)):
+                pending.append(reader.io_pool.submit(_load, reader, item, seq))
+                seq += len(item.rc.chunk.batches) - item.skip
+                if j == 0:  # the first read runs alone: its batch waits for no other read (first batch 0.18 -> 0.13 s)
                     wait(pending[:1])
                 if len(pending) >= self.cfg.prefetch_chunks:
                     yield pending.pop(0).result()
@@ -223,7 +214,7 @@ class Loader:
         if len(planner.datasets) > 1:
             self.counters["dataset_seconds"] = [0.0] * len(planner.datasets)
         self.stage_s: dict[str, float] = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0, "collate": 0.0}
-        """Seconds per stage, summed over threads and workers (not part of the state: not reproducible)."""
+        """Seconds per stage, summed over threads (not part of the state: not reproducible)."""
         self.skipped_keys: list[dict] = []
         self._epoch_skips = (0, 0)
         """(epoch, samples skipped in it) for the max_skipped_share stop."""
@@ -331,55 +322,35 @@ class Loader:
         return self.planner.epoch(epoch, self.world.world_size).steps
 
     # -- iteration
-    def dataloader(self) -> torch.utils.data.DataLoader:
-        """The DataLoader settings that keep plan order: whole chunks per item, no batching, no sampler."""
-        ds = self._chunk_stream()
-        nw = self.cfg.num_workers
-        if nw and self.cfg.s3_direct_http and not self.cfg.cache_dir and not storage.is_local(self.ds.url):
-            storage.presign([self.ds.shard_url(s) for s in self._shards_ahead(PRESIGN_AHEAD)], self.ds.storage_options)
-        return torch.utils.data.DataLoader(
-            ds, batch_size=None, num_workers=nw, prefetch_factor=2 if nw else None, persistent_workers=False,
-            multiprocessing_context="fork" if nw and os.name == "posix" else None)
-
     def _chunk_stream(self) -> ChunkStream:
-        """This rank's reads from the cursor on (in this process, or by DataLoader workers)."""
+        """This rank's reads from the cursor on, read ahead in this process's threads."""
         return ChunkStream(self.planner, self.world, self.cfg, self.cursor)
-
-    def _shards_ahead(self, limit: int) -> list[int]:
-        """Up to `limit` distinct shards in the order this rank reads them, from the cursor to the epoch's end."""
-        seen: dict[int, None] = {}
-        c = self.cursor
-        view = self.planner.epoch(c.epoch, self.world.world_size, c.chain)
-        for rc in view.chunks(self.world.rank, c.step):
-            if len(seen) >= limit:
-                break
-            for b in rc.chunk.batches:
-                seen.update(dict.fromkeys(np.unique(rc.index.shard[b]).tolist()))
-        return list(seen)[:limit]
 
     def __iter__(self) -> Generator[tuple[Batch, dict], None, None]:
         pin = torch.cuda.is_available()
-        # without worker processes the DataLoader only adds per-item overhead (~4% of a 2-core epoch, measured)
-        items = self.dataloader() if self.cfg.num_workers else self._chunk_stream()
         per_dataset = self.counters.get("dataset_seconds")
-        floats = BatchBuffers(keep=2)  # float32 batches: the trainer's and the next one
-        for loaded in items:
-            item = loaded.batches
-            for k, v in item.timings.items():
+        stream, seq = self._chunk_stream(), 0
+        for loaded in stream:
+            head = loaded.batches
+            for k, v in head.timings.items():
                 self.stage_s[k] += v
-            self._count_skips(item, loaded.rows)
-            for i, (pcm, lengths, keys, texts, durs) in enumerate(item.batches):
-                item.batches[i] = ()  # the trainer holds the batch now; its buffer is recycled when it drops it
+            for i, fut in enumerate(head.batches):
+                stream.advance(seq)
+                seq += 1
+                item = fut.result()  # this batch's rows are decoded (the chunk's later batches may not be)
+                head.batches[i] = ()  # the trainer holds the batch now; its buffer is recycled when it drops it
+                for k, v in item.timings.items():
+                    self.stage_s[k] += v
+                self._count_skips(item, loaded.rows)
+                pcm, lengths, keys, texts, durs, kept = item.batches[0]
+                item.batches[0] = ()
                 t0 = time.perf_counter()
-                if self.cfg.pcm_dtype == "float32" and pcm.dtype == torch.int16:  # from workers; numpy: ~10x torch
-                    pcm = torch.from_numpy(np.multiply(pcm.numpy(), np.float32(1.0 / 32768.0),
-                                                       out=floats.take(pcm.shape[0], pcm.shape[1], np.float32)))
                 waves = pcm
                 if pin:
                     waves = waves.pin_memory()
                 self.stage_s["collate"] += time.perf_counter() - t0
-                step = item.first_step + i
-                rows, sources = loaded.origins[i]
+                step = item.first_step
+                rows, sources = loaded.rc.origin(kept)
                 batch = Batch(waves=waves, lengths=torch.from_numpy(lengths), keys=keys, texts=texts,
                               durations_s=torch.from_numpy(durs), sample_rate_hz=self.sample_rate_hz,
                               epoch=item.epoch, step=step, rows=rows, sources=sources, planned=loaded.planned[i])

@@ -48,8 +48,8 @@ Why this shape:
   removes the excess when L <= m; and where N x L / (2 C^2) would exceed VARIETY_SLACK, runs shrink towards m
   rows (not below `min_run_mb`). Measured: x1.0 of the uniform rate from 4k to 1M rows, reads ~0.65 MB instead
   of 1 MB at the large sizes (benchmarks/load/bench_shuffle.py).
-- Worker independence: a rank's batch sequence is fixed before any worker exists; workers take whole chunks
-  round-robin (`chunks[w::num_workers]`), and DataLoader's round-robin order restores the sequence.
+- Reader independence: a rank's batch sequence is fixed before any chunk is read; reads run ahead in threads
+  and are handed over in plan order.
 
 Cost: O(N) numpy work plus a Python loop over chunks (~N / 500); 1M rows plan in about a second.
 """

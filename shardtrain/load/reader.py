@@ -4,7 +4,7 @@
       (retry + resume at the byte reached; optional whole-shard LRU cache for remote datasets)
       -> per row: ustar headers (checksum, name = index key, size = index size), json text = index text,
          decode into its batch row (dr_flac for FLAC, else libsndfile; thread pool, no GIL)
-      -> ChunkBatches: per batch padded PCM [B, T] (pcm_dtype; int16 from workers) in recycled buffers (buffers.py)
+      -> ChunkBatches: per batch padded PCM [B, T] (pcm_dtype) in recycled buffers (buffers.py)
 
 Bad data never stops the stream unless `strict`: a sample that fails is recorded with its key and reason
 (decode_error, truncated_shard, index_mismatch, bad_header, bad_json) and left out of its batch (the loader stops
@@ -13,26 +13,27 @@ are retried under `retry_budget_s`, and a hopeless one (403, 404, budget spent) 
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Generator, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from shardtrain import storage
-from shardtrain.format.arrownp import arrow_of
+from shardtrain.format.arrownp import arrow_of, numpy_of
 from shardtrain.format.audio import AudioError, decode_into
 from shardtrain.format.codecs import CODECS
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.tar import BLOCK, KEY_RE, parse_header
 from shardtrain.format.validate import MAX_JSON_BYTES, show
-from shardtrain.load.buffers import BatchBuffers
+from shardtrain.load.buffers import BatchBuffers, release_pages
 from shardtrain.load.errors import StreamError
-from shardtrain.load.plan import CHECK_COLUMNS, RUN_GAP_BYTES, Chunk, PlanIndex
+from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, RUN_GAP_BYTES, Chunk, PlanIndex
 from shardtrain.load.pool import OldestFirstPool
 from shardtrain.storage.cache import ShardCache
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 ROWS_PER_TASK = 4
 """Rows per decode task: one queue handoff and one Future per 4 rows instead of per row (that bookkeeping runs
-under the GIL; with the DataLoader bypass for num_workers=0 it gained +6% in an A/B of 6 alternating runs); still
+under the GIL; with the DataLoader bypass it gained +6% in an A/B of 6 alternating runs); still
 ~20 tasks per chunk for 3 threads to share."""
 MAX_REASON_CHARS = 300
 """Skip reasons kept in stats/state are cut to this; their shard-derived parts are escaped (validate.show)."""
@@ -49,12 +50,13 @@ MAX_REASON_CHARS = 300
 
 @dataclass(slots=True)
 class ChunkBatches:
-    """What a worker hands over for one chunk: compact int16 batches plus the chunk's errors."""
+    """What a reader hands over for one chunk: its padded batches plus the chunk's errors."""
 
     epoch: int
     first_step: int
-    batches: list[tuple]
-    """Per batch (pcm, lengths, keys, texts, durations_s, index rows of the kept utterances)."""
+    batches: list
+    """Per batch (pcm, lengths, keys, texts, durations_s, index rows of the kept utterances); from
+    `ChunkReader.start`, one Future per batch of such a one-batch ChunkBatches instead."""
     errors: list[dict]
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent per stage on this chunk, summed over threads: read, parse, decode, batch."""
@@ -131,18 +133,27 @@ class _LazyBatch:
 
 def _byte_runs(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int]]:
     """(shard, start, end) byte ranges covering `rows` (ascending), merging rows separated by small gaps."""
-    runs: list[list[int]] = []
+    return [run[:3] for run in _runs_with_rows(idx, rows)]
+
+
+def _runs_with_rows(idx: PlanIndex, rows: np.ndarray) -> list[tuple[int, int, int, np.ndarray]]:
+    """`_byte_runs` with the rows each run reads: every row in exactly one run, in ascending byte order inside it.
+    A mixture's gathered index may hold a sample twice (a dataset repeated to its weight): the second copy never
+    joins a run already past its bytes, so it gets a run (a buffer) of its own, and no row is read or counted
+    twice (a batch resolves when each of its rows is in once; a decoded row's pages are released)."""
+    runs: list[list] = []
     for r in rows:
         s, a, b = int(idx.shard[r]), int(idx.offset[r]), int(idx.offset[r] + idx.size[r])
         if runs and runs[-1][0] == s and 0 <= a - runs[-1][2] <= RUN_GAP_BYTES:
             runs[-1][2] = max(runs[-1][2], b)
+            runs[-1][3].append(int(r))
         else:
-            runs.append([s, a, b])
-    return [tuple(r) for r in runs]  # type: ignore[misc]
+            runs.append([s, a, b, [int(r)]])
+    return [(s, a, b, np.asarray(rr, np.int64)) for s, a, b, rr in runs]
 
 
 class ChunkReader:
-    """Reads and decodes chunks; one per process (built lazily inside each DataLoader worker)."""
+    """Reads and decodes chunks; one per loader iteration (its threads are the loader's decode threads)."""
 
     def __init__(self, ds: Dataset, idx: PlanIndex, cfg: StreamConfig):
         self.ds, self.idx, self.cfg = ds, idx, cfg
@@ -336,54 +347,66 @@ class ChunkReader:
             return "", f"index_mismatch: json num_samples {show(meta.get('num_samples'))} != index"
         return text, None
 
-    def _decode_rows(self, buf: memoryview, base: int, have: int, rows: list) -> list[tuple[int, tuple]]:
-        """One decode task: rows (row, (lazy batch, slot), check verdict) whose bytes are all in `buf`."""
-        return [(r, self._decode(buf, base, have, r, lazy.row(i, self.buffers), chk)) for r, (lazy, i), chk in rows]
+    def _decode_rows(self, buf: memoryview, base: int, have: int, rows: list, track: "_Tracker") -> None:
+        """One decode task: rows (row, (batch, lazy batch, slot), check verdict) whose bytes are all in `buf`;
+        each result goes to `track`, which hands a batch over once its last row is in. A decoded row's audio
+        bytes are needed no more: their pages go back to the kernel (buffers.release_pages)."""
+        run = np.frombuffer(buf, np.uint8)
+        for r, (b, lazy, i), chk in rows:
+            result = self._decode(buf, base, have, r, lazy.row(i, self.buffers), chk)
+            a0 = int(self.idx.audio_offset[r]) - base
+            release_pages(run, a0, a0 + int(self.idx.audio_size[r]))
+            track.put(b, r, result)
 
     def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, order: int = 0) -> ChunkBatches:
-        """Read and decode the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded).
+        """`start`, then every batch gathered into one ChunkBatches (read_members; the loader takes batches one
+        by one as they are ready)."""
+        head = self.start(chunk, epoch, first_step, skip_batches, order)
+        parts = [f.result() for f in head.batches]
+        timings = dict(head.timings)
+        for part in parts:
+            for k, v in part.timings.items():
+                timings[k] = timings.get(k, 0.0) + v
+        return ChunkBatches(epoch=epoch, first_step=first_step, batches=[b for p in parts for b in p.batches],
+                            errors=[e for p in parts for e in p.errors], timings=timings)
+
+    def start(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, order: int = 0) -> ChunkBatches:
+        """Read the rows of `chunk.batches[skip_batches:]` (skipped batches are never decoded) and queue their
+        decoding; returns once the reads are done, with one Future per batch (a one-batch ChunkBatches: its
+        rows, errors and stage seconds) that resolves when the batch's last row is decoded.
 
         Each row decodes straight into its slot of a padded batch as soon as the piece holding its bytes has
-        arrived (decoding overlaps the rest of the transfer). A batch's memory (recycled: load/buffers.py) is
-        taken when its first row is decoded, not when the chunk's reads start: chunks read ahead wait for the
-        decode threads (oldest first), so their batches cost memory only once decoding reaches them. The dtype
-        is the trainer's (`pcm_dtype`) in the training process: the decoder writes float32 as fast as int16, and
-        the separate int16 -> float32 pass it replaces cost ~1 ns a sample in the training process's thread
-        (~5% of the loader's CPU on 2 cores); same values bit for bit (scale 1/32768). From DataLoader worker
-        processes batches are int16, half the bytes through shared memory, and the Loader converts them. Rows of
-        a lower `order` (the chunk's place in the schedule) are decoded first.
+        arrived (decoding overlaps the rest of the transfer). Rows are decoded batch by batch (the decode pool
+        takes the lowest batch number first; the loader gates how far ahead: StreamConfig.decode_ahead), and a batch's memory (recycled: load/buffers.py) is taken when its
+        first row is decoded: a chunk holds about two batches being decoded, not all of them, and its first batch
+        reaches the trainer after a quarter of the chunk's decode instead of all of it (peak RSS on the 4k
+        benchmark corpora -25 MB). The dtype is the trainer's (`pcm_dtype`): the decoder writes float32 as fast
+        as int16, and the separate int16 -> float32 pass it replaces cost ~1 ns a sample in the training
+        process's thread (~5% of the loader's CPU on 2 cores); same values bit for bit (scale 1/32768).
         """
         idx = self.idx
-        timings = {"read": 0.0, "parse": 0.0, "decode": 0.0, "batch": 0.0}
         wanted = chunk.batches[skip_batches:]
-        dtype = np.float32 if self.cfg.pcm_dtype == "float32" and not self.cfg.num_workers else np.int16
+        dtype = np.float32 if self.cfg.pcm_dtype == "float32" else np.int16
         t0 = time.perf_counter()
         padded, slot = [], {}
-        for b in wanted:
-            lengths = idx.num_samples[b].astype(np.int64)
+        for bi, rows_b in enumerate(wanted):
+            lengths = idx.num_samples[rows_b].astype(np.int64)
             lazy = _LazyBatch(lengths.tolist(), dtype)
-            for i, r in enumerate(b.tolist()):
-                slot[r] = (lazy, i)
+            for i, r in enumerate(rows_b.tolist()):
+                slot[r] = (bi, lazy, i)
             padded.append(lazy)
-        timings["batch"] += time.perf_counter() - t0
+        track = _Tracker(self, wanted, padded, epoch, first_step)
+        timings = {"batch": time.perf_counter() - t0}
         rows = np.sort(np.fromiter(slot, np.int64, len(slot)))
-        results: dict[int, tuple] = {}
-        futures: list[Future] = []
         t0 = time.perf_counter()
         strings = self._index_strings(rows) if idx.key is not None and len(rows) else None
-        for shard, start, end in _byte_runs(idx, rows):
-            run_rows = rows[(idx.shard[rows] == shard) & (idx.offset[rows] >= start) & (idx.offset[rows] < end)]
-            self._read_run(shard, start, end, run_rows, slot, order, futures, results, strings)
-        timings["read"] += time.perf_counter() - t0
-        for fut in futures:
-            results.update(fut.result())
-        t0 = time.perf_counter()
-        out, errors = self._assemble(wanted, [lz.array(self.buffers) for lz in padded], results, timings)
-        timings["batch"] += time.perf_counter() - t0
-        return ChunkBatches(epoch=epoch, first_step=first_step, batches=out, errors=errors, timings=timings)
+        for shard, start, end, run_rows in _runs_with_rows(idx, rows):
+            self._read_run(shard, start, end, run_rows, slot, order, track, strings)
+        timings["read"] = time.perf_counter() - t0
+        return ChunkBatches(epoch=epoch, first_step=first_step, batches=track.futures, errors=[], timings=timings)
 
     def _read_run(self, shard: int, start: int, end: int, run_rows: np.ndarray, slot: dict, order: int,
-                  futures: list[Future], results: dict, strings: dict[int, tuple] | None = None) -> None:
+                  track: "_Tracker", strings: dict[int, tuple] | None = None) -> None:
         """Stream one byte run and hand each row to the decode pool as soon as its bytes have all arrived.
 
         A row whose bytes never arrive because the shard ended early gets its result here: the header check's
@@ -400,24 +423,32 @@ class ChunkReader:
                     r = int(run_rows[nxt])
                     ready.append((r, slot[r]))
                     nxt += 1
-                if not ready:
-                    continue
-                t0 = time.perf_counter()
-                checks = self._check_rows(view, start, end - start, [r for r, _ in ready], strings)
-                per_row = (time.perf_counter() - t0) / len(ready)
-                todo = []
-                for (r, out), (key, text, err) in zip(ready, checks):
-                    if err is None:
-                        todo.append((r, out, (key, text, None, per_row)))
-                    else:  # a failed check: no decode task
-                        results[r] = (key, "", 0, err, per_row, 0.0)
-                for g in range(0, len(todo), ROWS_PER_TASK):
-                    futures.append(self.decode_pool.submit(order, self._decode_rows, view, start, end - start,
-                                                           todo[g:g + ROWS_PER_TASK]))
+                if ready:
+                    self._submit(view, start, end - start, ready, order, track, strings)
         except OSError as e:  # transient errors were retried in storage: this one stops the stream
             raise self._read_failed(shard, e) from e
         for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
-            results[int(r)] = self._decode(view, start, have, int(r), np.zeros(0, np.int16))
+            track.put(slot[int(r)][0], int(r), self._decode(view, start, have, int(r), np.zeros(0, np.int16)))
+
+    def _submit(self, view: memoryview, base: int, have: int, ready: list, order: int, track: "_Tracker",
+                strings: dict[int, tuple] | None) -> None:
+        """Check rows whose bytes have arrived; failures go to `track` at once, the rest to the decode pool in
+        tasks of up to ROWS_PER_TASK rows of one batch, at priority `order` (the number of the chunk's first batch
+        in the stream) + the batch's place in the chunk: the oldest batch first."""
+        t0 = time.perf_counter()
+        checks = self._check_rows(view, base, have, [r for r, _ in ready], strings)
+        per_row = (time.perf_counter() - t0) / len(ready)
+        todo: dict[int, list] = {}
+        for (r, at), (key, text, err) in zip(ready, checks):
+            if err is None:
+                todo.setdefault(at[0], []).append((r, at, (key, text, None, per_row)))
+            else:  # a failed check: no decode task
+                track.put(at[0], r, (key, "", 0, err, per_row, 0.0))
+        for b, rows in sorted(todo.items()):
+            for g in range(0, len(rows), ROWS_PER_TASK):
+                fut = self.decode_pool.submit(order + b, self._decode_rows, view, base, have,
+                                              rows[g:g + ROWS_PER_TASK], track)
+                fut.add_done_callback(functools.partial(track.failed, b))
 
     def _assemble(self, wanted: Sequence[np.ndarray], padded: list[np.ndarray], results: dict,
                   timings: dict) -> tuple[list[tuple], list[dict]]:
@@ -444,7 +475,118 @@ class ChunkReader:
             pcm = padded[bi]
             if len(keep) < len(batch_rows):  # rare: drop failed rows, trim to the longest survivor
                 pcm = np.ascontiguousarray(pcm[keep, : max(lengths, default=0)])
-            # from a worker process, a torch tensor crosses to the trainer through shared memory (no pipe copy)
             out.append((torch.from_numpy(pcm), np.array(lengths, dtype=np.int64), keys, texts,
                         np.array(durs, dtype=np.float64), np.asarray(batch_rows, np.int64)[keep]))
         return out, errors
+
+
+
+class _Tracker:
+    """The batches of one chunk being decoded: a batch's Future resolves (a one-batch ChunkBatches) in the thread
+    that puts its last row, so the loader takes it without waiting for the rest of the chunk.
+
+    A decode task that raises (out of memory, a bug) fails its batch's Future with that error; a batch already
+    handed over keeps its result. Results and buffers of a handed-over batch are dropped here at once."""
+
+    def __init__(self, reader: ChunkReader, wanted: Sequence[np.ndarray], padded: list[_LazyBatch], epoch: int,
+                 first_step: int):
+        self.reader, self.wanted = reader, list(wanted)
+        self.padded: list[_LazyBatch | None] = list(padded)
+        self.epoch, self.first_step = epoch, first_step
+        self.left = [len(b) for b in wanted]
+        self.results: list[dict | None] = [{} for _ in wanted]
+        self.futures: list[Future] = [Future() for _ in wanted]
+        self.lock = threading.Lock()
+        for b, n in enumerate(self.left):
+            if n == 0:  # a batch empty by plan
+                self._resolve(b)
+
+    def put(self, b: int, row: int, result: tuple) -> None:
+        with self.lock:
+            results = self.results[b]
+            if results is None:  # the batch already failed
+                return
+            results[row] = result
+            self.left[b] -= 1
+            last = self.left[b] == 0
+        if last:
+            self._resolve(b)
+
+    def failed(self, b: int, task: Future) -> None:
+        """Done callback of a decode task of batch `b`: its exception fails the batch."""
+        e = None if task.cancelled() else task.exception()
+        if e is None:
+            return
+        with self.lock:
+            if self.results[b] is None:
+                return
+            self.results[b], self.padded[b] = None, None
+        if not self.futures[b].done():
+            self.futures[b].set_exception(e)
+
+    def _resolve(self, b: int) -> None:
+        fut, reader, lazy = self.futures[b], self.reader, self.padded[b]
+        try:
+            t0 = time.perf_counter()
+            timings = {"parse": 0.0, "decode": 0.0}
+            out, errors = reader._assemble([self.wanted[b]], [lazy.array(reader.buffers)],  # type: ignore[union-attr]
+                                           self.results[b] or {}, timings)
+            timings["batch"] = time.perf_counter() - t0
+            fut.set_result(ChunkBatches(self.epoch, self.first_step + b, out, errors, timings))
+        except BaseException as e:  # noqa: BLE001 - strict mode's StreamError, or a bug: the loader raises it
+            fut.set_exception(e)
+        if lazy is not None:  # the batch is the trainer's now: a task still holding this lazy must not keep it
+            lazy.pcm = None
+        self.results[b], self.padded[b] = None, None
+
+
+class Member(NamedTuple):
+    """One index row read by `read_members`: its audio (float32, mono), or the reason it was skipped."""
+
+    row: int
+    key: str
+    sample_rate_hz: int
+    samples: np.ndarray | None
+    """Mono float32 in [-1, 1), a private copy (None when skipped)."""
+    error: str | None
+    """The loader's skip reason (decode_error, index_mismatch, bad_header, ...), or None."""
+
+
+def read_members(ds: Dataset, rows: Sequence[int] | np.ndarray, cfg: StreamConfig | None = None,
+                 group: int = 16) -> Generator[Member, None, None]:
+    """Members of `ds` by index row, in the order given, read and decoded by the loader's own path.
+
+    The one way to read a member outside an epoch (the noise and RIR banks of train/augment.py, the augment demo):
+    a ChunkReader over `group` rows at a time, each row its own one-row batch, so the same ranged reads by index
+    offsets, the same checks against the index (ustar headers, key, size, json text and num_samples) and the same
+    decoder (dr_flac / libsndfile, multi-channel averaged) as a training batch. A bad member is yielded with its
+    reason, as the loader would skip it (or StreamError under `cfg.strict`); a storage failure raises StreamError.
+    Cost: the index's plan and check columns once (~200 bytes a row), `cfg.decode_threads` threads while iterating,
+    one copy of each member's samples (the batch buffers are recycled)."""
+    from shardtrain.load.config import StreamConfig
+
+    cfg = replace(cfg or StreamConfig(), pcm_dtype="float32")
+    checks = [c for c in CHECK_COLUMNS if cfg.check_transcripts or c != "text"]
+    table = ds.read_index(columns=list(PLAN_COLUMNS) + ["sample_rate_hz", *checks])
+    rates = np.asarray(numpy_of(table.column("sample_rate_hz")), np.int64)
+    rows = np.asarray(rows, np.int64)
+    if len(rows) and (rows.min() < 0 or rows.max() >= table.num_rows):
+        raise IndexError(f"{ds.url}: rows must be in [0, {table.num_rows}), got {rows.min()}..{rows.max()}")
+    if len(np.unique(rows)) < len(rows):
+        raise ValueError("read_members: each row at most once (a row is one slot of the read)")
+    reader = ChunkReader(ds, PlanIndex.from_table(table), cfg)
+    try:
+        for g in range(0, len(rows), max(1, group)):
+            part = rows[g:g + group]
+            got = reader.load(Chunk(rows=np.unique(part), batches=tuple(part[i:i + 1] for i in range(len(part)))),
+                              epoch=0, first_step=0, skip_batches=0)
+            errors = iter(got.errors)
+            for r, (pcm, lengths, keys, _texts, _durs, _kept) in zip(part.tolist(), got.batches):
+                if len(keys):
+                    yield Member(r, keys[0], int(rates[r]), pcm.numpy()[0, :int(lengths[0])].copy(), None)
+                else:
+                    e = next(errors)
+                    yield Member(r, e["key"], int(rates[r]), None, e["reason"])
+    finally:
+        reader.io_pool.shutdown(wait=False, cancel_futures=True)
+        reader.decode_pool.shutdown()

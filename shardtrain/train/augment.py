@@ -333,49 +333,45 @@ class NoiseBank:
                      storage_options: dict | None = None, max_clip_seconds: float | None = None,
                      seed: int | None = None, max_clips: int | None = None) -> "NoiseBank":
         """Load clips of a dataset packed by `shardtrain pack` until `max_seconds`: index rows in order (or in a
-        random order when `seed` is given), each clip's audio bytes read by its index offsets (no tar parsing),
-        decoded, mixed to mono, resampled to `sample_rate_hz`, cut to `max_clip_seconds`; at most `max_clips`
-        clips (the augment demo reads its examples this way). Loops over clips once
-        at start-up; costs one ranged read per clip."""
+        random order when `seed` is given), read and decoded by the loader's own path (load.reader.read_members:
+        ranged reads by index offsets, the reader's checks against the index, its decoder, channels averaged),
+        resampled to `sample_rate_hz`, cut to `max_clip_seconds`; at most `max_clips` clips (the augment demo
+        reads its examples this way). A member the loader would skip is skipped here too, with a warning. Loops
+        over clips once at start-up; reads 16 rows at a time (one ranged read per run of neighbours)."""
         from shardtrain.format.manifest import open_dataset
-        from shardtrain.storage.fs import read_range
+        from shardtrain.load.reader import read_members
 
         ds = open_dataset(url, storage_options)
-        rows = ds.read_index(columns=["key", "shard", "audio_offset", "audio_size"]).to_pylist()
-        if seed is not None:
-            rows = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))]
+        n = ds.read_index(columns=["shard"]).num_rows
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy() if seed is not None
+                 else np.arange(n))[:max_clips]
         budget = int(max_seconds * sample_rate_hz)
         clips, names = [], []
-        for row in rows[:max_clips]:
-            if budget <= 0:
-                break
-            data = read_range(ds.shard_url(row["shard"]), row["audio_offset"],
-                              row["audio_offset"] + row["audio_size"], ds.storage_options)
-            wave, rate = _decode(data)
-            clip = torch.from_numpy(wave)
-            if rate != sample_rate_hz:
-                clip = torchaudio.functional.resample(clip, rate, sample_rate_hz)
-            cap = budget if max_clip_seconds is None else min(budget, int(max_clip_seconds * sample_rate_hz))
-            clip = clip[:cap]
-            if clip.numel() == 0:
-                continue
-            clips.append(clip.to(device))
-            names.append(row["key"])
-            budget -= clip.numel()
+        members = read_members(ds, order)
+        try:
+            for m in members:
+                if budget <= 0:
+                    break
+                if m.samples is None:
+                    log.warning("noise bank: skipped %s of %s: %s", m.key, url, m.error)
+                    continue
+                clip = torch.from_numpy(m.samples)
+                if m.sample_rate_hz != sample_rate_hz:
+                    clip = torchaudio.functional.resample(clip, m.sample_rate_hz, sample_rate_hz)
+                cap = budget if max_clip_seconds is None else min(budget, int(max_clip_seconds * sample_rate_hz))
+                clip = clip[:cap]
+                if clip.numel() == 0:
+                    continue
+                clips.append(clip.to(device))
+                names.append(m.key)
+                budget -= clip.numel()
+        finally:
+            members.close()
         if not clips:
             raise ValueError(f"no audio in {url}: the noise/RIR dataset is empty")
         log.info("noise bank: %d clips, %.1f s from %s", len(clips), sum(c.numel() for c in clips) / sample_rate_hz,
                  url)
         return cls(clips, sample_rate_hz, names)
-
-
-def _decode(data: bytes) -> tuple[np.ndarray, int]:
-    """Mono float32 samples and rate of one audio member (shardtrain.audio.decode, channels averaged)."""
-    from shardtrain.format.audio import decode
-
-    wave, rate = decode(data)
-    wave = np.asarray(wave, dtype=np.float32)
-    return np.ascontiguousarray(wave.mean(axis=1) if wave.ndim == 2 else wave), int(rate)
 
 
 # ---- the chain -----------------------------------------------------------------------------------------------

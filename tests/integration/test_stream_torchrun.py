@@ -22,8 +22,7 @@ SCRIPT = textwrap.dedent("""
 
     dist.init_process_group("gloo")
     world = World.from_env()
-    cfg = StreamConfig(bucket=BucketConfig(max_batch_seconds=6.0, chunk_mb=0.05), epochs=1, num_workers=1,
-                       decode_threads=1)
+    cfg = StreamConfig(bucket=BucketConfig(max_batch_seconds=6.0, chunk_mb=0.05), epochs=1, decode_threads=1)
     keys, steps = [], 0
     for batch, state in build_loader(sys.argv[1], world=world, seed=0, cfg=cfg):
         keys += batch.keys

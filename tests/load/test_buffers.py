@@ -90,3 +90,18 @@ def test_a_memory_cap_names_the_allocation_and_the_knobs(tmp_path):
     assert p.returncode == 0 and out.startswith("True "), (out, p.stderr[-2000:])
     assert "cannot allocate 461 MB" in out and "1 utterances x 115,200,000 samples" in out, out
     assert "stream.bucket.max_batch_seconds" in out and "ulimit -v" in out and "\n" not in out, out
+
+
+def test_released_pages_read_as_zeros_and_the_rest_is_kept():
+    """release_pages gives back only whole pages inside the range: the partial pages at both ends keep their
+    bytes (they may hold a neighbour's header), the inside reads as zeros (the kernel's fresh pages)."""
+    from shardtrain.load.buffers import PAGE, release_pages
+
+    pool = BatchBuffers(keep=0)
+    run = pool.take(1, 8 * PAGE, np.uint8)[0]
+    run[:] = 7
+    release_pages(run, 100, 5 * PAGE + 100)
+    assert (run[:PAGE] == 7).all() and (run[5 * PAGE:] == 7).all()
+    assert (run[PAGE:5 * PAGE] == 0).all()
+    release_pages(run, 6 * PAGE + 1, 7 * PAGE - 1)  # no whole page inside: nothing released
+    assert (run[5 * PAGE:] == 7).all()

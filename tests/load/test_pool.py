@@ -38,3 +38,23 @@ def test_errors_reach_the_waiter_and_shutdown_cancels_and_refuses():
     assert all(f.cancelled() for f in waiting)
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(0, print)
+
+
+def test_gate_holds_tasks_past_the_frontier_until_it_advances():
+    """gate(1): a task of batch p runs only once advance(f) with p <= f + 1; the awaited batch is never held,
+    and shutdown releases threads waiting at the gate."""
+    pool = OldestFirstPool(2, "t")
+    ran: list[int] = []
+    try:
+        pool.gate(1)
+        futs = {p: pool.submit(p, ran.append, p) for p in (3, 0, 2, 1)}
+        futs[0].result(timeout=10)
+        futs[1].result(timeout=10)
+        assert not futs[2].done() and not futs[3].done()
+        pool.advance(2)
+        futs[3].result(timeout=10)
+        assert sorted(ran) == [0, 1, 2, 3] and ran.index(0) < ran.index(2)
+        late = pool.submit(9, ran.append, 9)
+    finally:
+        pool.shutdown()
+    assert late.cancelled()
