@@ -206,16 +206,8 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
         seq = ids[rng.permutation(len(ids))]  # blocks in random order, cut into n runs of equal cost
         cum = np.cumsum(blocks.cost[seq])
         bounds = np.concatenate([[0], np.searchsorted(cum, cum[-1] * np.arange(1, n) / n, side="left"), [len(seq)]])
-        # per chunk: enough batches that any order of its rows fits, never more than one row per batch
         c_cost = np.diff(np.concatenate([[0.0], cum])[bounds])
-        c_rows = np.diff(np.concatenate([[0], np.cumsum(blocks.rows[seq])])[bounds])
-        nonempty = bounds[:-1] < bounds[1:]
-        c_max = np.zeros(n)
-        c_max[nonempty] = np.maximum.reduceat(blocks.max_cost[seq], bounds[:-1][nonempty])
-        need = np.minimum(np.ceil(c_cost / np.maximum(budget - c_max, 1e-9) - 1e-9), c_rows)
-        if cfg.max_batch_size is not None:
-            need = np.maximum(need, np.ceil(c_rows / cfg.max_batch_size))
-        need = np.maximum(1, need).astype(np.int64)
+        need = _chunk_needs(blocks, seq, bounds, c_cost, budget, cfg.max_batch_size)
         # chunks of similar need share a group (M_g is the group's largest), ranks at random inside each group
         grouped = rng.permuted(np.lexsort((c_cost, need)).reshape(-1, world_size), axis=1)
         need_all.append(need[grouped].max(axis=1))
@@ -236,6 +228,20 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
                      bucket=np.where(blocks.too_long, -1,
                                      np.searchsorted(edges, blocks.cost / np.maximum(blocks.rows, 1), side="right")),
                      local=local, sigma=0.0 if sigma is None else sigma)
+
+
+def _chunk_needs(blocks: Blocks, seq: np.ndarray, bounds: np.ndarray, c_cost: np.ndarray, budget: float,
+                 cap: int | None) -> np.ndarray:
+    """Batches per chunk (chunk i = seq[bounds[i]:bounds[i+1]]): enough that any order of its rows fits the budget
+    beside its costliest block's longest row, never more than one row per batch, at least `cap`-sized batches."""
+    c_rows = np.diff(np.concatenate([[0], np.cumsum(blocks.rows[seq])])[bounds])
+    nonempty = bounds[:-1] < bounds[1:]
+    c_max = np.zeros(len(bounds) - 1)
+    c_max[nonempty] = np.maximum.reduceat(blocks.max_cost[seq], bounds[:-1][nonempty])
+    need = np.minimum(np.ceil(c_cost / np.maximum(budget - c_max, 1e-9) - 1e-9), c_rows)
+    if cap is not None:
+        need = np.maximum(need, np.ceil(c_rows / cap))
+    return np.maximum(1, need).astype(np.int64)
 
 
 def _phased_block_edges(mean: np.ndarray, nb: int, phase: float, world_size: int) -> np.ndarray:
