@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,41 @@ def pack_subset(corpus: Path, out: Path, n: int) -> str:
                                           for r in rows[1 : n + 1]]) + "\n")
     pack(PackConfig(input=str(tsv), output=str(out / "shards"), max_samples_per_shard=2, progress=False))
     return str(out / "shards")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shardtrain_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None
+                   ) -> subprocess.CompletedProcess:
+    """`python -m shardtrain ARGS` in a fresh interpreter, as a user's shell runs it: this checkout on PYTHONPATH,
+    one OpenMP thread, no AWS_* variables from the caller's environment (`env` adds or overrides)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd,
+                          env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
+    """The one line a command prints for an error the user can act on (`COMMAND: error: ...`), no traceback;
+    log lines (INFO/WARNING) aside."""
+    lines = [x for x in p.stderr.splitlines() if x.strip() and " INFO " not in x and " WARNING " not in x]
+    assert len(lines) == 1 and lines[0].startswith(f"{command}: error"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+def pack_tones(root: Path, durations: list[float], seed: int, *, input_name: str = "", **pack_kw) -> str:
+    """make_corpus(root/corpus, durations, seed) packed into root/ds (8 samples a shard, one worker unless
+    `pack_kw` says otherwise); `input_name` picks a file of the corpus (e.g. manifest.jsonl) as the input.
+    Returns the dataset path."""
+    from shardtrain.pack.packer import PackConfig, pack
+
+    corpus = make_corpus(root / "corpus", durations, seed=seed)
+    out = root / "ds"
+    kw = {"max_samples_per_shard": 8, "workers": 1, "progress": False, **pack_kw}
+    pack(PackConfig(input=str(corpus / input_name if input_name else corpus), output=str(out), **kw))
+    return str(out)
 
 
 def dataset_sha256s(out: Path) -> dict[str, str]:
