@@ -102,6 +102,22 @@ def one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
     return lines[0]
 
 
+def cli_help(command: str) -> str:
+    """`shardtrain COMMAND --help` from the real parser, in this process (argparse prints it and exits 0)."""
+    import contextlib
+    import io
+
+    from shardtrain.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0
+    text = out.getvalue()
+    assert text.startswith(f"usage: shardtrain {command} "), text[:200]
+    return text
+
+
 def pack_tones(root: Path, durations: list[float], seed: int, *, input_name: str = "", **pack_kw) -> str:
     """make_corpus(root/corpus, durations, seed) packed into root/ds (8 samples a shard, one worker unless
     `pack_kw` says otherwise); `input_name` picks a file of the corpus (e.g. manifest.jsonl) as the input.

@@ -33,3 +33,25 @@ def test_commands_that_do_not_train_import_no_torch_on_a_bad_path(tmp_path, argv
     assert last.split()[1] in ("1", "2"), r.stdout  # refused, not a success
     assert "no-such-corpus" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists(), "a refused pack created its OUTPUT"
+
+
+def test_parser_has_every_command_and_version(capsys):
+    """build_parser registers one subparser per verb module; --version prints the package's version."""
+    from shardtrain._version import __version__
+    from shardtrain.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == {"synth", "pack", "inspect", "bench", "train", "augment-demo", "transcribe",
+                                "evaluate", "export", "tune", "plan", "ledger"}
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"shardtrain {__version__}"
+
+
+def test_main_turns_a_string_system_exit_into_one_line_and_status_2(tmp_path):
+    """`raise SystemExit("...")` inside a command is a usage error: exit 2 (Python's own would be 1), one line."""
+    r = subprocess.run([sys.executable, "-c", PROBE, "tune", "--data", str(tmp_path), "--out", str(tmp_path / "b"),
+                        "--memory-fraction", "0"], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip().splitlines()[-1].split()[1] == "2", r.stdout + r.stderr[-1500:]
+    assert r.stderr.strip().splitlines() == ["tune: --memory-fraction must be in (0, 1]"]
