@@ -118,13 +118,14 @@ def cli_help(command: str) -> str:
     return text
 
 
-def pack_tones(root: Path, durations: list[float], seed: int, *, input_name: str = "", **pack_kw) -> str:
-    """make_corpus(root/corpus, durations, seed) packed into root/ds (8 samples a shard, one worker unless
-    `pack_kw` says otherwise); `input_name` picks a file of the corpus (e.g. manifest.jsonl) as the input.
+def pack_tones(root: Path, durations: list[float], seed: int, *, input_name: str = "", sample_rate_hz: int = 16000,
+               **pack_kw) -> str:
+    """make_corpus(root/corpus, durations, seed, sample_rate_hz) packed into root/ds (8 samples a shard, one worker
+    unless `pack_kw` says otherwise); `input_name` picks a file of the corpus (e.g. manifest.jsonl) as the input.
     Returns the dataset path."""
     from shardtrain.pack.packer import PackConfig, pack
 
-    corpus = make_corpus(root / "corpus", durations, seed=seed)
+    corpus = make_corpus(root / "corpus", durations, seed=seed, sample_rate_hz=sample_rate_hz)
     out = root / "ds"
     kw = {"max_samples_per_shard": 8, "workers": 1, "progress": False, **pack_kw}
     pack(PackConfig(input=str(corpus / input_name if input_name else corpus), output=str(out), **kw))
