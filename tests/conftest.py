@@ -93,6 +93,35 @@ def shardtrain_cli(*args: str, env: dict | None = None, timeout: float = 300, cw
                           env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+_MANY = """
+import contextlib, io, json, sys
+from shardtrain.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors and --help
+            code = e.code if isinstance(e.code, int) else 1
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def shardtrain_cli_many(*argvs: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Several commands through `shardtrain.cli.main` in ONE fresh interpreter (torch imported once, not once per
+    command: ~4 s each on 2 busy cores), each with its own stdout/stderr and exit status, as shardtrain_cli's."""
+    import json
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    p = subprocess.run([sys.executable, "-c", _MANY, json.dumps([list(a) for a in argvs])], capture_output=True,
+                       text=True, timeout=timeout, env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [subprocess.CompletedProcess(a, code, out, err) for a, (code, out, err) in
+            zip(argvs, json.loads(p.stdout.strip().splitlines()[-1]))]
+
+
 def one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
     """The one line a command prints for an error the user can act on (`COMMAND: error: ...`), no traceback;
     log lines (INFO/WARNING) aside."""

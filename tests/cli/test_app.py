@@ -48,10 +48,3 @@ def test_parser_has_every_command_and_version(capsys):
         parser.parse_args(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"shardtrain {__version__}"
 
-
-def test_main_turns_a_string_system_exit_into_one_line_and_status_2(tmp_path):
-    """`raise SystemExit("...")` inside a command is a usage error: exit 2 (Python's own would be 1), one line."""
-    r = subprocess.run([sys.executable, "-c", PROBE, "tune", "--data", str(tmp_path), "--out", str(tmp_path / "b"),
-                        "--memory-fraction", "0"], capture_output=True, text=True, timeout=120)
-    assert r.stdout.strip().splitlines()[-1].split()[1] == "2", r.stdout + r.stderr[-1500:]
-    assert r.stderr.strip().splitlines() == ["tune: --memory-fraction must be in (0, 1]"]

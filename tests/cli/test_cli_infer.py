@@ -2,9 +2,7 @@
 saying what a checkpoint is, exit 2, and nothing is written (the runs on real checkpoints are tests/infer/)."""
 from __future__ import annotations
 
-import pytest
-
-from conftest import cli_help, one_error_line, shardtrain_cli
+from conftest import cli_help, one_error_line, shardtrain_cli_many
 
 
 def test_help_names_checkpoint_and_inputs():
@@ -13,13 +11,13 @@ def test_help_names_checkpoint_and_inputs():
     assert "OUT.onnx" in cli_help("export") and "--quantize" in cli_help("export")
 
 
-@pytest.mark.parametrize("command", ["transcribe", "evaluate", "export"])
-def test_missing_checkpoint_is_one_line_exit_2(tmp_path, command):
+def test_missing_checkpoint_is_one_line_exit_2(tmp_path):
     ck = tmp_path / "no-run"
-    args = {"transcribe": [str(tmp_path / "a.wav")], "evaluate": ["--data", str(tmp_path / "ds")],
-            "export": [str(tmp_path / "m.onnx")]}[command]
-    p = shardtrain_cli(command, str(ck), *args)
-    assert p.returncode == 2, p.stderr[-2000:]
-    line = one_error_line(p, command)
-    assert f"{ck}: no checkpoint here" in line and "step_NNNNNN" in line
+    runs = shardtrain_cli_many(["transcribe", str(ck), str(tmp_path / "a.wav")],
+                               ["evaluate", str(ck), "--data", str(tmp_path / "ds")],
+                               ["export", str(ck), str(tmp_path / "m.onnx")])
+    for command, p in zip(("transcribe", "evaluate", "export"), runs):
+        assert p.returncode == 2, (command, p.stderr[-2000:])
+        line = one_error_line(p, command)
+        assert f"{ck}: no checkpoint here" in line and "step_NNNNNN" in line
     assert not (tmp_path / "m.onnx").exists()

@@ -1,8 +1,8 @@
 """cli/train.py (train, augment-demo): help names --data/--out; a dataset that is not there is one line, exit 2,
-before any run folder is written."""
+before any run folder or example is written."""
 from __future__ import annotations
 
-from conftest import cli_help, one_error_line, shardtrain_cli
+from conftest import cli_help, one_error_line, shardtrain_cli_many
 
 
 def test_train_and_augment_demo_help():
@@ -12,16 +12,11 @@ def test_train_and_augment_demo_help():
     assert "--data" in text and "--tone" in text and "--out" in text
 
 
-def test_train_on_a_missing_dataset_is_one_line_exit_2_and_no_run(tmp_path):
-    run = tmp_path / "run"
-    p = shardtrain_cli("train", "--data", str(tmp_path / "nothing"), "--out", str(run))
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert "no dataset at" in one_error_line(p, "train")
-    assert not (run / "checkpoints").exists()
-
-
-def test_augment_demo_on_a_missing_dataset_is_one_line_exit_2(tmp_path):
-    p = shardtrain_cli("augment-demo", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "demo"))
-    assert p.returncode == 2
-    assert "no dataset at" in one_error_line(p, "augment-demo")
-    assert not list(tmp_path.glob("demo/*.wav"))
+def test_a_missing_dataset_is_one_line_exit_2_and_nothing_written(tmp_path):
+    run, demo = tmp_path / "run", tmp_path / "demo"
+    train, augment = shardtrain_cli_many(["train", "--data", str(tmp_path / "nothing"), "--out", str(run)],
+                                         ["augment-demo", "--data", str(tmp_path / "nothing"), "--out", str(demo)])
+    for command, p in (("train", train), ("augment-demo", augment)):
+        assert p.returncode == 2, (command, p.stderr[-2000:])
+        assert "no dataset at" in one_error_line(p, command)
+    assert not (run / "checkpoints").exists() and not list(tmp_path.glob("demo/*.wav"))
