@@ -161,6 +161,14 @@ def pack_tones(root: Path, durations: list[float], seed: int, *, input_name: str
     return str(out)
 
 
+def read_tsv(path: Path) -> list[dict]:
+    """Rows of a generated manifest.tsv as dicts (header names as keys)."""
+    import csv
+
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
 def dataset_sha256s(out: Path) -> dict[str, str]:
     """sha256 of every file of a dataset; manifest.json without created_utc (the one wall-clock field)."""
     got = {}

@@ -1,4 +1,5 @@
-"""format/safe.py: data-derived text made terminal-safe (the CLI output it protects: tests/format/test_trust_format.py)."""
+"""format/safe.py: data-derived text made terminal-safe (the CLI output it protects:
+tests/format/test_trust_format.py)."""
 from __future__ import annotations
 
 from shardtrain.format.safe import printable, printable_lines

@@ -12,7 +12,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from shardtrain.format.validate import MAX_MANIFEST_BYTES, DatasetError, check_index, check_manifest, parse_manifest, show
+from shardtrain.format.validate import (MAX_MANIFEST_BYTES, DatasetError, check_index, check_manifest,
+                                        parse_manifest, show)
 
 from conftest import pack_tones
 
@@ -41,8 +42,10 @@ def test_real_manifest_passes_and_edits_are_named(dataset):
     entries = check_manifest(manifest, "manifest.json")
     assert [e["name"] for e in entries] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
     edits = [
-        (lambda m: m["shards"][1].update(name="../../etc/passwd"), r"shards\[1\]\.name = '\.\./\.\./etc/passwd' must match"),
-        (lambda m: m["shards"][2].update(name="shard-000000.tar"), r"shards\[2\]\.name 'shard-000000.tar' repeats shards\[0\]"),
+        (lambda m: m["shards"][1].update(name="../../etc/passwd"),
+         r"shards\[1\]\.name = '\.\./\.\./etc/passwd' must match"),
+        (lambda m: m["shards"][2].update(name="shard-000000.tar"),
+         r"shards\[2\]\.name 'shard-000000.tar' repeats shards\[0\]"),
         (lambda m: m["shards"][0].update(samples=True), r"shards\[0\]\.samples = True must be an integer"),
         (lambda m: m["shards"][0].update(sha256="AB" * 32), "must be 64 lowercase hex digits"),
         (lambda m: m["totals"].update(samples=11), "totals say 3 shards / 11 samples, the shard list has 3 / 10"),

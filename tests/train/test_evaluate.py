@@ -30,8 +30,9 @@ def sets(speech_corpus, tmp_path_factory):
 
 def test_per_set_and_pooled_figures(sets):
     a, b = sets
-    cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + [f"train.data_url={a}", f"train.val_data_url={a}",
-                                                              f"train.val_extra_urls={b}", "train.val_names=clean,other"])
+    sets_ = [f"train.data_url={a}", f"train.val_data_url={a}", f"train.val_extra_urls={b}",
+             "train.val_names=clean,other"]
+    cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + sets_)
     tok = CharVocab.from_index(a)
     torch.manual_seed(0)
     model = build_model(cfg.model, len(tok), cfg.features.n_mels)

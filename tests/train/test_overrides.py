@@ -11,7 +11,8 @@ from shardtrain.train.overrides import apply_override, apply_overrides, from_dic
 
 def test_values_are_coerced_to_the_field_types():
     cfg = apply_overrides(load_pipeline("tiny_cpu"), ["train.lr=3e-3", "train.max_steps=7", "train.augment=false",
-                                                      "model.d_model=96", "train.val_data_url=/d", "stream.bucket.num_buckets=3"])
+                                                      "model.d_model=96", "train.val_data_url=/d",
+                                                      "stream.bucket.num_buckets=3"])
     assert cfg.train.lr == 0.003 and cfg.train.max_steps == 7 and cfg.train.augment is False
     assert cfg.model.d_model == 96 and cfg.train.val_data_url == "/d" and cfg.stream.bucket.num_buckets == 3
     assert apply_override(cfg, "train.val_max_batches", "none").train.val_max_batches is None

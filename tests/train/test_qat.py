@@ -1,5 +1,6 @@
 """train/qat.py: fake quantization hand-checked (int8 weight levels, uint8 activations that keep 0 exact), gradients
-straight through, and enable/disable that keep the state_dict (a QAT run exported to int8: tests/infer/test_infer.py)."""
+straight through, and enable/disable that keep the state_dict (a QAT run exported to int8:
+tests/infer/test_infer.py)."""
 from __future__ import annotations
 
 import torch
