@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,95 @@ def pack_subset(corpus: Path, out: Path, n: int) -> str:
                                           for r in rows[1 : n + 1]]) + "\n")
     pack(PackConfig(input=str(tsv), output=str(out / "shards"), max_samples_per_shard=2, progress=False))
     return str(out / "shards")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shardtrain_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None
+                   ) -> subprocess.CompletedProcess:
+    """`python -m shardtrain ARGS` in a fresh interpreter, as a user's shell runs it: this checkout on PYTHONPATH,
+    one OpenMP thread, no AWS_* variables from the caller's environment (`env` adds or overrides)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd,
+                          env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+_MANY = """
+import contextlib, io, json, sys
+from shardtrain.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors and --help
+            code = e.code if isinstance(e.code, int) else 1
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def shardtrain_cli_many(*argvs: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Several commands through `shardtrain.cli.main` in ONE fresh interpreter (torch imported once, not once per
+    command: ~4 s each on 2 busy cores), each with its own stdout/stderr and exit status, as shardtrain_cli's."""
+    import json
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    p = subprocess.run([sys.executable, "-c", _MANY, json.dumps([list(a) for a in argvs])], capture_output=True,
+                       text=True, timeout=timeout, env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [subprocess.CompletedProcess(a, code, out, err) for a, (code, out, err) in
+            zip(argvs, json.loads(p.stdout.strip().splitlines()[-1]))]
+
+
+def one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
+    """The one line a command prints for an error the user can act on (`COMMAND: error: ...`), no traceback;
+    log lines (INFO/WARNING) aside."""
+    lines = [x for x in p.stderr.splitlines() if x.strip() and " INFO " not in x and " WARNING " not in x]
+    assert len(lines) == 1 and lines[0].startswith(f"{command}: error"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+def cli_help(command: str) -> str:
+    """`shardtrain COMMAND --help` from the real parser, in this process (argparse prints it and exits 0)."""
+    import contextlib
+    import io
+
+    from shardtrain.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0
+    text = out.getvalue()
+    assert text.startswith(f"usage: shardtrain {command} "), text[:200]
+    return text
+
+
+def pack_tones(root: Path, durations: list[float], seed: int, *, input_name: str = "", sample_rate_hz: int = 16000,
+               **pack_kw) -> str:
+    """make_corpus(root/corpus, durations, seed, sample_rate_hz) packed into root/ds (8 samples a shard, one worker
+    unless `pack_kw` says otherwise); `input_name` picks a file of the corpus (e.g. manifest.jsonl) as the input.
+    Returns the dataset path."""
+    from shardtrain.pack.packer import PackConfig, pack
+
+    corpus = make_corpus(root / "corpus", durations, seed=seed, sample_rate_hz=sample_rate_hz)
+    out = root / "ds"
+    kw = {"max_samples_per_shard": 8, "workers": 1, "progress": False, **pack_kw}
+    pack(PackConfig(input=str(corpus / input_name if input_name else corpus), output=str(out), **kw))
+    return str(out)
+
+
+def read_tsv(path: Path) -> list[dict]:
+    """Rows of a generated manifest.tsv as dicts (header names as keys)."""
+    import csv
+
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
 
 
 def dataset_sha256s(out: Path) -> dict[str, str]:

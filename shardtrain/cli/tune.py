@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from shardtrain.cli.common import _CREDS_HELP, _one_line, _parse_storage_options, _run_errors, init_logging
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, _run_errors, init_logging, report_error
 
 
 # ---- tune (owner: tune) -------------------------------------------------------------------------
@@ -71,9 +71,8 @@ def _cmd_tune(args) -> int:
     except NothingFits as e:
         print(f"tune: error: {e}; {args.out} not written", file=sys.stderr)
         return 1
-    except _run_errors() as e:
-        print(f"tune: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+    except _run_errors() as e:  # one exit-status table for every command: a dataset that is not there is 2
+        return report_error("tune", e)
     write_budget(args.out, {**doc, "pipeline": args.pipeline, "dataset": args.data,
                             "memory_fraction": None if args.memory_limit_mb else args.memory_fraction})
     print(f"{'bucket <= s':>12} {'utts':>6} {'budget s':>9} {'peak MiB':>9} {'step s':>7}")

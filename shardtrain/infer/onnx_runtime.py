@@ -7,7 +7,7 @@
            -> greedy CTC (argmax, collapse repeats, drop blank 0) -> texts
 
 A deployment box needs `pip install onnxruntime numpy` and this file's package; importing this module never
-imports torch (tests/infer/test_export_numpy.py runs it with `import torch` made to fail). Resampling here is an FFT
+imports torch (tests/infer/test_checkpoint_model.py runs it with `import torch` made to fail). Resampling here is an FFT
 band-limit (the trainer's is torchaudio's windowed sinc): transcripts match at the model's own rate, and differ
 only by resampling noise elsewhere. Cost: one session.run per call plus an argmax over [B, T', V].
 

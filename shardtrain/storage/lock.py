@@ -8,7 +8,7 @@ Why an object and not flock: the output is often an S3 prefix, where only the ob
 - Local paths: the holder's JSON is written to a temp file and hard-linked to the lock name; `link` fails when
   the name exists, so exactly one process creates it, and its content is complete when it appears.
 - S3: a PUT with `If-None-Match: *` (s3fs `mode="create"`), which the server refuses (412) when the key
-  exists; SeaweedFS 4.48 and AWS S3 both honour it (tests/test_lock.py runs it against SeaweedFS). The lock is
+  exists; SeaweedFS 4.48 and AWS S3 both honour it (tests/storage/test_lock.py runs it against SeaweedFS). The lock is
   then read back and its token compared, which also catches a server that ignores the header when the two
   writes are not concurrent. Residual race, only on a server that ignores `If-None-Match`: two packs whose PUTs
   and read-backs interleave can both believe they hold the lock.

@@ -12,7 +12,7 @@ Signing:
   URLs are presigned here (SigV4 query signing, path-style, ~20 us each) and s3fs is never imported.
 - Otherwise (AWS's credential chain: profiles, SSO, instance roles), or when the server rejects a URL signed here
   (403, or 400 as for a wrong region), s3fs signs (`fs.sign`), so credentials, region and addressing follow the
-  same rules as every other s3fs call. The signer matches botocore's on a golden set (tests/storage/test_s3sign.py).
+  same rules as every other s3fs call. The signer matches botocore's on a golden set (tests/storage/test_s3http.py).
 - The direct path is only taken where it is known to be right (`direct_unsupported`): a proxy (configured or
   from HTTP(S)_PROXY, as botocore would use), SSE-C or requester-pays arguments, virtual-host addressing or
   anonymous access leave the read to s3fs. A CA bundle (`client_kwargs.verify` = path, or AWS_CA_BUNDLE, which

@@ -168,6 +168,7 @@ def test_evaluate_cli_json_and_markdown(run_dir, data, tmp_path, capsys):
     assert "no manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a long run (15-25 s on 2 busy cores): the full suite, not the fast tier
 def test_onnx_export_matches_pytorch_and_int8_transcribes(run_dir, utterances, tmp_path, capsys):
     tm = load_trained(run_dir)
     assert main(["export", str(run_dir), str(tmp_path / "m.onnx"), "--quantize", "int8"]) == 0

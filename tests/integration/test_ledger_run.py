@@ -103,6 +103,8 @@ def test_killed_resumed_resized_run_trains_every_utterance_once(speech_corpus, t
 
 
 def test_mixture_ledger_shares_follow_the_weights(speech_corpus, tmp_path):
+    """`--data A --data B --weight 1 --weight 3`, one process: the ledger's audio shares and metrics.jsonl's audio
+    seconds per dataset both follow the weights (one run for both: it was two runs in two modules)."""
     a = _pack(speech_corpus, tmp_path, "a", slice(1, 11))
     b = _pack(speech_corpus, tmp_path, "b", slice(11, 16))
     out = tmp_path / "run"
@@ -119,3 +121,7 @@ def test_mixture_ledger_shares_follow_the_weights(speech_corpus, tmp_path):
     da, db = e0["datasets"]
     assert db["more_than_once"] > 0 and db["over_plan_count"] == 0
     assert abs(db["share"] - 0.75) < 0.2 and abs(da["share"] - 0.25) < 0.2
+    # the trainer's own count agrees: metrics.jsonl carries the audio seconds per dataset (so far, over ranks)
+    last = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in x][-1]
+    a_s, b_s = last["audio_s/d0"], last["audio_s/d1"]
+    assert a_s > 0 and b_s > 0 and 1.5 < b_s / a_s < 6, (a_s, b_s)  # 1:3 by audio, up to a batch of quantisation

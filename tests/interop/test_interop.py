@@ -15,16 +15,14 @@ from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.testing.corpus import make_corpus
 from shardtrain.world import World
 
+from conftest import pack_tones
+
 DURS = [0.3 + 0.2 * ((i * 7) % 13) for i in range(40)]
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("interop")
-    corpus = make_corpus(root / "corpus", DURS, seed=3)
-    out = root / "ds"
-    pack(PackConfig(input=str(corpus), output=str(out), max_samples_per_shard=8, workers=1, progress=False))
-    return str(out)
+    return pack_tones(tmp_path_factory.mktemp("interop"), DURS, seed=3)
 
 
 def loader(url, world=World(), state=None):

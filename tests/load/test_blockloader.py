@@ -14,9 +14,9 @@ from shardtrain.load.loader import build_loader
 from shardtrain.load.mapped import open_mapped
 from shardtrain.load.plan import BucketConfig
 from shardtrain.load.reader import StreamError
-from shardtrain.pack.packer import PackConfig, pack
-from shardtrain.testing.corpus import make_corpus
 from shardtrain.world import World
+
+from conftest import pack_tones
 
 DURS = [0.3 + 0.17 * ((i * 7) % 23) for i in range(90)]
 BUDGET = 8.0
@@ -24,11 +24,7 @@ BUDGET = 8.0
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("blockloader")
-    corpus = make_corpus(root / "corpus", DURS, seed=1)
-    out = root / "ds"
-    pack(PackConfig(input=str(corpus), output=str(out), max_samples_per_shard=8, workers=1, progress=False))
-    return str(out)
+    return pack_tones(tmp_path_factory.mktemp("blockloader"), DURS, seed=1)
 
 
 def cfg(cache, **kw) -> StreamConfig:

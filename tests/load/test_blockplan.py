@@ -52,6 +52,7 @@ def _pairs(batches) -> set:
     return {(int(a), int(b)) for bt in batches for i, a in enumerate(np.sort(bt)) for b in np.sort(bt)[i + 1:]}
 
 
+@pytest.mark.slow  # a long run (15-25 s on 2 busy cores): the full suite, not the fast tier
 def test_block_planner_variety_near_a_uniform_shuffle_in_its_buckets():
     """Pair repeat rate across epochs within 1.15x of a uniform shuffle inside the same buckets, split into the same
     number of batches (measured 1.04x; a random round-robin deal of the same blocks gives 1.24x, and 600 s blocks

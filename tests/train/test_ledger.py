@@ -1,6 +1,6 @@
 """The ledger (train/ledger.py, train/ledger_report.py): attempts replayed in order, epochs accounted.
 
-Fast cases on hand-made micro-batches; tests/integration/test_ledger_torchrun.py checks a real run that is
+Fast cases on hand-made micro-batches; tests/integration/test_ledger_run.py checks a real run that is
 killed, resumed and re-sized."""
 from __future__ import annotations
 

@@ -63,6 +63,7 @@ def budget_file(tmp_path: Path, table=TABLE) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # a long run (15-25 s on 2 busy cores): the full suite, not the fast tier
 def test_tune_on_cpu_writes_one_budget_per_bucket_larger_for_short_ones(data, tmp_path, capsys):
     out = tmp_path / "budget.json"
     assert main(["tune", "--data", data, "--pipeline", "tiny_cpu", "--out", str(out), "--device", "cpu",

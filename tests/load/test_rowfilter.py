@@ -12,22 +12,18 @@ from shardtrain.load.errors import StreamError
 from shardtrain.load.loader import build_loader
 from shardtrain.load.plan import BucketConfig
 from shardtrain.load.mixplan import make_planner
-from shardtrain.pack.packer import PackConfig, pack
-from shardtrain.testing.corpus import make_corpus
 from shardtrain.train.overrides import apply_override
 from shardtrain.world import World
+
+from conftest import pack_tones
 
 DURS = [0.3 + 0.17 * ((i * 7) % 23) for i in range(60)]
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("filters")
-    corpus = make_corpus(root / "corpus", DURS, seed=3)
-    out = root / "ds"
-    pack(PackConfig(input=str(corpus / "manifest.jsonl"), output=str(out), max_samples_per_shard=8, workers=1,
-                    progress=False))  # the manifest carries speakers spk0..spk2
-    return str(out)
+    # the manifest carries speakers spk0..spk2
+    return pack_tones(tmp_path_factory.mktemp("filters"), DURS, seed=3, input_name="manifest.jsonl")
 
 
 def cfg(**kw) -> StreamConfig:

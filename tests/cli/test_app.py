@@ -36,3 +36,18 @@ def test_commands_that_do_not_train_import_no_torch_on_a_bad_path(tmp_path, argv
     assert last.split()[2] == "-", f"{argv[0]} imported {last.split()[2]} before refusing a missing local path"
     assert "no-such-corpus" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists(), "a refused pack created its OUTPUT"
+
+
+def test_parser_has_every_command_and_version(capsys):
+    """build_parser registers one subparser per verb module; --version prints the package's version."""
+    from shardtrain._version import __version__
+    from shardtrain.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == {"synth", "pack", "inspect", "bench", "train", "augment-demo", "transcribe",
+                                "evaluate", "export", "tune", "plan", "ledger"}
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"shardtrain {__version__}"
+

@@ -6,9 +6,6 @@ txt that was never packed, and a pack killed half-way (the fault seam kills the 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +13,7 @@ import pytest
 from shardtrain import faults
 from shardtrain.testing.corpus import make_corpus
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    return subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+from conftest import one_error_line as _one_error_line, shardtrain_cli as _cli
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +25,6 @@ def places(tmp_path_factory) -> dict[str, Path]:
              env={faults.ENV: "pack.shard=1:kill"})
     assert p.returncode != 0 and not (half / "manifest.json").exists(), p.stderr[-2000:]
     return {"missing": root / "no-such-dataset", "corpus": corpus, "half": half}
-
-
-def _one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
-    lines = [x for x in p.stderr.splitlines() if x.strip() and " INFO " not in x and " WARNING " not in x]
-    assert len(lines) == 1 and lines[0].startswith(f"{command}: error"), p.stderr[-3000:]
-    return lines[0]
 
 
 @pytest.mark.slow
