@@ -24,13 +24,6 @@ EXEMPT = {
     "cli/__main__.py": "`python -m shardtrain.cli`: two lines calling cli.main, run by every CLI test",
     "format/codecs.py": "constants only (codec names, extensions, encode ratios), no behaviour",
     "load/errors.py": "one exception class (StreamError), raised and asserted by the loader's tests",
-    # pending: the trainer and loader changes running alongside add these files; drop the entries after merging
-    "train/loop.py": "pending: the trainer change adds tests/train/test_loop.py",
-    "train/step.py": "pending: the trainer change adds tests/train/test_step.py",
-    "train/update.py": "pending: the trainer change adds tests/train/test_update.py",
-    "train/trainer.py": "pending: the trainer change adds the module and tests/train/test_trainer.py",
-    "train/schedule.py": "pending: the trainer change adds the module and tests/train/test_schedule.py",
-    "load/loader.py": "pending: the loader change adds tests/load/test_loader.py (restart)",
 }
 
 ELSEWHERE = {
@@ -43,14 +36,12 @@ ELSEWHERE = {
     "interop/lhotse.py": "interop/test_interop.py",
     "interop/lightning.py": "integration/test_lightning.py",
     "interop/torchdata.py": "interop/test_interop.py",
-    "load/config.py": "load/test_stream.py",
     "load/mapped.py": "load/test_blockloader.py",
     "load/planner.py": "load/test_planner_seam.py",
-    "load/reader.py": "load/test_stream.py",
-    "pack/engine.py": "pack/test_packer.py",
     "pack/nothing.py": "format/test_untrusted.py",
     "pack/parts.py": "pack/test_scan.py",
-    "pack/plan.py": "pack/test_packer.py",
+    "pack/layout.py": "pack/test_packer.py",
+    "train/loop.py": "train/test_train.py",
     "pack/shard_task.py": "pack/test_pack_options.py",
     "pack/tailcheck.py": "pack/test_pack_speed_parts.py",
     "pack/transcode.py": "pack/test_sources.py",

@@ -11,7 +11,7 @@ import numpy as np
 from shardtrain.pack.config import PackConfig
 from shardtrain.pack.parts import iter_parts
 from shardtrain.pack.scan import collapse_whitespace, sample_digest, scan_part
-from shardtrain.pack.shard_task import PlannedSample
+from shardtrain.pack.shard_task import SampleSpec
 from shardtrain.testing.corpus import make_corpus
 
 DURS = [1.0, 1.5, 0.1, 2.0, 1.2, 0.8]
@@ -59,7 +59,7 @@ def test_min_duration_and_digest_follow_the_config_and_the_sample(tmp_path):
                                     min_duration_s=0.05))
     assert {part.ids[j].as_py() for j in part.late} == {"utt-00003"}  # 0.1 s is kept under a 0.05 s minimum
     item, info, dur, est = records[1]
-    s = PlannedSample(key="k", item=item, info=info, duration_s=dur, est_bytes=est)
+    s = SampleSpec(key="k", item=item, info=info, duration_s=dur, est_bytes=est)
     d = sample_digest(s)
     assert len(d) == 16 and d == sample_digest(dataclasses.replace(s, key="other"))  # the key is not in it
     assert d != sample_digest(dataclasses.replace(s, item=dataclasses.replace(item, text="changed")))

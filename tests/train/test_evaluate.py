@@ -12,6 +12,7 @@ from pipelines import load_pipeline
 from shardtrain.train import evaluate as ev
 from shardtrain.train.model import build_model
 from shardtrain.train.overrides import apply_overrides
+from shardtrain.train.step import Augmenters, Collectives, StepContext
 from shardtrain.train.text import CharVocab
 from shardtrain.world import World
 
@@ -38,8 +39,8 @@ def test_per_set_and_pooled_figures(sets):
     model = build_model(cfg.model, len(tok), cfg.features.n_mels)
     model.train()
     cpu = torch.device("cpu")
-    run = lambda: ev.evaluate(model, cfg, World(), tok, ev.Augmenters(cfg, cpu), cpu,  # noqa: E731
-                              ev.Collectives(World(), cpu), None)
+    ctx = StepContext(cfg, World(), cpu, Collectives(World(), cpu), Augmenters(cfg, cpu))
+    run = lambda: ev.evaluate(ctx, model, tok, None)  # noqa: E731
     res = run()
     assert model.training  # validation puts the model back into training mode
     assert list(res["sets"]) == ["clean", "other"]

@@ -25,7 +25,6 @@ from shardtrain.train.overrides import apply_overrides
 from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.load.reader import StreamError
 from shardtrain.train.loop import train
-from shardtrain.train.schedule import lr_factor
 from shardtrain.world import World
 
 # A 0.6M-parameter model, no augmentation/dropout unless a test turns them on, every batch = all utterances.
@@ -74,13 +73,6 @@ def test_overrides_coerce_by_type_and_name_valid_keys():
         apply_overrides(cfg, ["train.max_steps=ten"])
     with pytest.raises(ValueError, match="train.max_steps .*must be >= 1"):
         apply_overrides(cfg, ["train.max_steps=0"])
-
-
-def test_lr_schedule_warms_up_then_decays_to_floor():
-    cfg = load_pipeline("tiny_cpu").train
-    assert lr_factor(0, cfg) == pytest.approx(1 / cfg.warmup_steps)
-    assert lr_factor(cfg.warmup_steps, cfg) == pytest.approx(1.0)
-    assert lr_factor(cfg.max_steps, cfg) == pytest.approx(cfg.min_lr_ratio)
 
 
 def test_tiny_model_overfits_a_handful_of_utterances(six_utts, tmp_path):
