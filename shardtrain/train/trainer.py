@@ -413,7 +413,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
         if run.resized is not None:
             self.metrics.log(run.resized.row(run.step))
-        self.keylog = KeyLog(self.out, world.rank, run.step) if tc.log_keys else None
+        self.keylog = KeyLog(self.out, world.rank, run.step, world.world_size) if tc.log_keys else None
         self.loader = build_loader(data_sources(tc), world=world, seed=tc.seed, cfg=self._stream_cfg(),
                                    state=run.loader_state, storage_options=self.storage_options)
         run.ledger = self._start_ledger(redone) if tc.ledger else None

@@ -34,3 +34,20 @@ def test_lines_per_micro_batch_and_resume_drops_the_redone_steps(tmp_path):
     resumed.close()
     steps = [json.loads(x)["step"] for x in path.read_text().splitlines()]
     assert steps == [1, 1, 2, 3]
+
+
+def test_a_smaller_resumed_run_trims_the_ranks_it_no_longer_has(tmp_path):
+    """Killed on 3 ranks past its checkpoint at step 2, resumed on 2: rank 2's lines of step 3 are gone (step 3 is
+    trained again by ranks 0 and 1), so the audit sees each utterance once."""
+    for r in range(3):
+        log = KeyLog(tmp_path, rank=r, start_step=0, world_size=3)
+        for step in (1, 2, 3):
+            log.write(step, [(batch([f"r{r}s{step}"], 0, step), {})])
+        log.close()
+    KeyLog(tmp_path, rank=1, start_step=2, world_size=2).close()  # rank 1 owns neither rank 0's nor rank 2's file
+    def steps(r: int) -> list[int]:
+        return [json.loads(x)["step"] for x in (tmp_path / "keys" / f"rank{r:05d}.jsonl").read_text().splitlines()]
+
+    assert steps(2) == [1, 2, 3] and steps(0) == [1, 2, 3] and steps(1) == [1, 2]
+    KeyLog(tmp_path, rank=0, start_step=2, world_size=2).close()  # rank 0 trims its own and rank 2's (2 % 2 == 0)
+    assert steps(0) == [1, 2] and steps(2) == [1, 2]
