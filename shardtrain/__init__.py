@@ -30,6 +30,13 @@ numpy, fsspec or torch, so a mistyped path is reported before any of them loads.
 __all__ = ["__version__", *sorted(_LAZY)]
 
 
+# `pack` names both the room and the function. Python binds a subpackage onto its parent when the subpackage first
+# loads, which would hide the function behind the module once anything under shardtrain.pack is imported; loading
+# the room now (light: its own names load on first use) and unbinding it leaves `shardtrain.pack` to __getattr__.
+importlib.import_module("shardtrain.pack")
+del globals()["pack"]
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
