@@ -44,7 +44,7 @@ def _cmd_tune(args) -> int:
     from shardtrain.train.budget import write_budget
     from shardtrain.train.overrides import apply_overrides
     from shardtrain.train.text import CharVocab, SentencePieceVocab
-    from shardtrain.train.tune import NothingFits, default_search_s, default_target, tune
+    from shardtrain.train.tune import NothingFits, Search, default_search_s, default_target, tune
 
     init_logging(0, args.verbose)
     if not 0 < args.memory_fraction <= 1:
@@ -65,9 +65,9 @@ def _cmd_tune(args) -> int:
         vocab = (len(SentencePieceVocab(cfg.train.sentencepiece_model)) if cfg.train.tokenizer == "sentencepiece"
                  else len(CharVocab.from_index(args.data, so)))
         target = default_target(device, args.memory_fraction, args.memory_limit_mb)
-        doc = tune(cfg, durations, vocab, device, target_bytes=target,
-                   max_batch_seconds=args.max_batch_seconds or default_search_s(cfg, device),
-                   num_buckets=args.buckets, progress=sys.stderr.isatty())
+        search = Search(target_bytes=target, num_buckets=args.buckets,
+                        max_batch_seconds=args.max_batch_seconds or default_search_s(cfg, device))
+        doc = tune(cfg, durations, vocab, device, search, progress=sys.stderr.isatty())
     except NothingFits as e:
         print(f"tune: error: {e}; {args.out} not written", file=sys.stderr)
         return 1

@@ -329,20 +329,23 @@ class NoiseBank:
         return cls(clips, sample_rate_hz, list(colours))
 
     @classmethod
-    def from_dataset(cls, url: str, *, max_seconds: float, sample_rate_hz: int, device: torch.device | str = "cpu",
-                     storage_options: dict | None = None, max_clip_seconds: float | None = None,
-                     seed: int | None = None, max_clips: int | None = None) -> "NoiseBank":
+    def from_dataset(cls, url: str, *, max_seconds: float, sample_rate_hz: int, storage_options: dict | None = None,
+                     max_clip_seconds: float | None = None, seed: int | None = None,
+                     max_clips: int | None = None) -> "NoiseBank":
         """Load clips of a dataset packed by `shardtrain pack` until `max_seconds`: index rows in order (or in a
         random order when `seed` is given), read and decoded by the loader's own path (load.reader.read_members:
         ranged reads by index offsets, the reader's checks against the index, its decoder, channels averaged),
         resampled to `sample_rate_hz`, cut to `max_clip_seconds`; at most `max_clips` clips (the augment demo
         reads its examples this way). A member the loader would skip is skipped here too, with a warning. Loops
-        over clips once at start-up; reads 16 rows at a time (one ranged read per run of neighbours)."""
+        over clips once at start-up; reads 16 rows at a time (one ranged read per run of neighbours). The index is
+        read once (by read_members): the row count comes from the manifest, which that read is checked against.
+        The bank is built on the CPU, where the clips are decoded; `.to(device)` moves it (DeviceAugment does on
+        first use), one copy of at most `max_seconds` of audio."""
         from shardtrain.format.manifest import open_dataset
         from shardtrain.load.reader import read_members
 
         ds = open_dataset(url, storage_options)
-        n = ds.read_index(columns=["shard"]).num_rows
+        n = sum(s.samples for s in ds.shards)  # the manifest's rows: read_members's index read must match them
         order = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy() if seed is not None
                  else np.arange(n))[:max_clips]
         budget = int(max_seconds * sample_rate_hz)
@@ -362,7 +365,7 @@ class NoiseBank:
                 clip = clip[:cap]
                 if clip.numel() == 0:
                     continue
-                clips.append(clip.to(device))
+                clips.append(clip)
                 names.append(m.key)
                 budget -= clip.numel()
         finally:

@@ -48,6 +48,7 @@ import pickle
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +56,7 @@ import torch
 
 from shardtrain import storage
 from shardtrain.storage.private import private_dir, user_dir
+from shardtrain.world import World
 
 log = logging.getLogger(__name__)
 
@@ -166,26 +168,43 @@ def _stage(agree: Callable[[bool], bool], fn: Callable[[], None], where: Path) -
     return None
 
 
-def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_size: int,
-                    barrier: Callable[[], None], rank_state: dict, main_state: dict | None,
-                    model_state: dict | None, meta: dict, keep_last: int,
-                    storage_options: dict | None = None, agree: Callable[[bool], bool] | None = None) -> Path:
-    """Collective: every rank calls it with its `rank_state`; rank 0 also passes model/main state and meta.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointParts:
+    """What one rank writes into the checkpoint of `step`: every rank its `rank_state`, rank 0 also the weights, the
+    rest of the run's state and meta.json's fields. One value for what a save writes, apart from who writes it (the
+    World) and where (the folder, retention, storage options): the protocol below never reads one of them into
+    another. Built by RunState.checkpoint_parts; holding references costs nothing (nothing is copied)."""
 
-    `agree(failed) -> any rank failed` (an all-reduce; a barrier and this rank's own flag when None) makes a failure
-    on one rank a failure on all: every rank raises CheckpointWriteError (one line: step, rank, cause), the temp
-    files are removed and the previous checkpoint stays the latest."""
-    if agree is None:
-        def agree(bad: bool) -> bool:  # one process, or a caller without an all-reduce: this rank's own flag
-            barrier()
-            return bad
+    step: int
+    rank_state: dict
+    """This rank's RNG states and the loader state of its last consumed batch (rankNNNNN.pt)."""
+    main_state: dict | None = None
+    """Rank 0: optimiser, scheduler, scaler, counters, tokenizer (train_state.pt); None on the other ranks."""
+    model_state: dict | None = None
+    """Rank 0: the model's state_dict, unwrapped from DDP (model.pt); None on the other ranks."""
+    meta: dict = field(default_factory=dict)
+    """meta.json's own fields (val_loss, config, ...); rank 0's are written, step/world_size/rank_files added."""
+
+
+def _own_flag(bad: bool) -> bool:
+    """`agree` of a single process: its own flag is every rank's."""
+    return bad
+
+
+def save_checkpoint(ckpt_dir: str | os.PathLike, parts: CheckpointParts, *, world: World, keep_last: int,
+                    storage_options: dict | None = None, agree: Callable[[bool], bool] = _own_flag) -> Path:
+    """Collective: every rank calls it with its `parts` (rank 0's hold the weights, the main state and meta).
+
+    `agree(failed) -> any rank failed` (an all-reduce in a job: Collectives.any) is also the barrier between the
+    stages (create, write, commit), so a failure on one rank is a failure on all: every rank raises
+    CheckpointWriteError (one line: step, rank, cause), the temp files are removed and the previous checkpoint stays
+    the latest. The default is one process's own flag; threads standing in for ranks pass a barrier that returns it."""
     if is_remote(ckpt_dir):
-        return _save_remote(str(ckpt_dir), step=step, rank=rank, world_size=world_size, agree=agree,
-                            rank_state=rank_state, main_state=main_state, model_state=model_state, meta=meta,
-                            keep_last=keep_last, storage_options=storage_options)
+        return _save_remote(str(ckpt_dir), parts, world, agree, keep_last, storage_options)
     root = Path(ckpt_dir)
-    final = root / step_dir_name(step)
+    final = root / step_dir_name(parts.step)
     tmp = root / f".tmp-{final.name}"
+    rank = world.rank
 
     def fail(why: str) -> CheckpointWriteError:
         if rank == 0:
@@ -201,13 +220,13 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, *, step: int, rank: int, world_
             tmp.mkdir()
 
     def write() -> None:
-        _save(rank_state, tmp / f"rank{rank:05d}.pt")
+        _save(parts.rank_state, tmp / f"rank{rank:05d}.pt")
         if rank == 0:
-            assert model_state is not None and main_state is not None
-            _save(model_state, tmp / "model.pt")
-            _save(main_state, tmp / "train_state.pt")
+            assert parts.model_state is not None and parts.main_state is not None
+            _save(parts.model_state, tmp / "model.pt")
+            _save(parts.main_state, tmp / "train_state.pt")
 
-    for fn in (create, write, lambda: _commit_local(root, tmp, final, meta, step, world_size, keep_last, rank)):
+    for fn in (create, write, lambda: _commit_local(root, tmp, final, parts, world, keep_last)):
         why = _stage(agree, fn, tmp if fn is not create else root)
         if why is not None:
             raise fail(why)
@@ -218,16 +237,15 @@ def _name(path: Path | None) -> str:
     return "none" if path is None else os.path.basename(str(path))
 
 
-def _commit_local(root: Path, tmp: Path, final: Path, meta: dict, step: int, world_size: int, keep_last: int,
-                  rank: int) -> None:
+def _commit_local(root: Path, tmp: Path, final: Path, parts: CheckpointParts, world: World, keep_last: int) -> None:
     """Rank 0: meta.json, then the rename that commits, the directory fsync and pruning."""
-    if rank != 0:
+    if world.rank != 0:
         return
-    missing = [r for r in range(world_size) if not (tmp / f"rank{r:05d}.pt").is_file()]
+    missing = [r for r in range(world.world_size) if not (tmp / f"rank{r:05d}.pt").is_file()]
     if missing:
         raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
     meta_path = tmp / "meta.json"
-    meta_path.write_text(json.dumps(_commit_meta(meta, step, world_size), indent=1))
+    meta_path.write_text(json.dumps(_commit_meta(parts.meta, parts.step, world.world_size), indent=1))
     storage.sync(meta_path)
     if final.exists():  # the same step saved again after a restart: move the old copy aside first
         os.replace(final, root / f".tmp-old-{final.name}")
@@ -256,25 +274,24 @@ def _upload(obj: object, url: str, storage_options: dict | None) -> None:
     storage.commit_local_file(tmp, url, storage_options)
 
 
-def _save_remote(root: str, *, step: int, rank: int, world_size: int, agree: Callable[[bool], bool],
-                 rank_state: dict, main_state: dict | None, model_state: dict | None, meta: dict, keep_last: int,
+def _save_remote(root: str, parts: CheckpointParts, world: World, agree: Callable[[bool], bool], keep_last: int,
                  storage_options: dict | None) -> Path:
     """The object-store protocol (module docstring): files under their final names, meta.json last."""
-    final = storage.join(root, step_dir_name(step))
+    final = storage.join(root, step_dir_name(parts.step))
+    rank = world.rank
 
     def uncommit() -> None:
         if rank == 0:
             storage.remove(storage.join(final, "meta.json"), storage_options)  # a re-save: not committed meanwhile
 
     def write() -> None:
-        _upload(rank_state, storage.join(final, f"rank{rank:05d}.pt"), storage_options)
+        _upload(parts.rank_state, storage.join(final, f"rank{rank:05d}.pt"), storage_options)
         if rank == 0:
-            assert model_state is not None and main_state is not None
-            _upload(model_state, storage.join(final, "model.pt"), storage_options)
-            _upload(main_state, storage.join(final, "train_state.pt"), storage_options)
+            assert parts.model_state is not None and parts.main_state is not None
+            _upload(parts.model_state, storage.join(final, "model.pt"), storage_options)
+            _upload(parts.main_state, storage.join(final, "train_state.pt"), storage_options)
 
-    for fn in (uncommit, write, lambda: _commit_remote(root, final, meta, step, world_size, keep_last, rank,
-                                                         storage_options)):
+    for fn in (uncommit, write, lambda: _commit_remote(root, final, parts, world, keep_last, storage_options)):
         why = _stage(agree, fn, Path(user_dir("tmp")))
         if why is not None:
             raise CheckpointWriteError(f"checkpoint {final} not written (rank {rank}): {why}; the latest "
@@ -282,18 +299,18 @@ def _save_remote(root: str, *, step: int, rank: int, world_size: int, agree: Cal
     return final  # type: ignore[return-value]
 
 
-def _commit_remote(root: str, final: str, meta: dict, step: int, world_size: int, keep_last: int, rank: int,
+def _commit_remote(root: str, final: str, parts: CheckpointParts, world: World, keep_last: int,
                    storage_options: dict | None) -> None:
-    if rank != 0:
+    if world.rank != 0:
         return
     names = set(storage.ls_names(final, storage_options))
-    missing = [r for r in range(world_size) if f"rank{r:05d}.pt" not in names]
+    missing = [r for r in range(world.world_size) if f"rank{r:05d}.pt" not in names]
     if missing:
         raise RuntimeError(f"checkpoint {final}: ranks {missing} wrote no state")
-    stray = sorted(n for n in names if _RANK_FILE.match(n) and n not in rank_files(world_size))
+    stray = sorted(n for n in names if _RANK_FILE.match(n) and n not in rank_files(world.world_size))
     for n in stray:  # left by a dead attempt with more ranks: never part of this step
         storage.remove(storage.join(final, n), storage_options)
-    body = json.dumps(_commit_meta(meta, step, world_size), indent=1).encode()
+    body = json.dumps(_commit_meta(parts.meta, parts.step, world.world_size), indent=1).encode()
     storage.atomic_write_bytes(storage.join(final, "meta.json"), body, storage_options)  # the commit point
     prune(root, keep_last, storage_options)  # type: ignore[arg-type]
     log.info("saved checkpoint %s", final)

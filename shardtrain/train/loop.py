@@ -28,7 +28,7 @@ from shardtrain.storage.lock import LockHeld
 from shardtrain.train import runfiles
 from shardtrain.train.config import RunConfig, TrainConfig
 from shardtrain.train.preempt import Preemption, parse_signals
-from shardtrain.train.trainer import Trainer
+from shardtrain.train.trainer import Interrupts, Trainer
 from shardtrain.train.valsets import check_val_sets, val_sets
 from shardtrain.world import World
 
@@ -77,8 +77,8 @@ def train(cfg: RunConfig, world: World, *, resume: bool = False, storage_options
         if own_pg:
             _init_process_group("nccl" if device.type == "cuda" else "gloo", world, attempt)
         lease = _take_lease(tc, world, storage_options)
-        return Trainer(cfg, world, device, resume=resume, storage_options=storage_options, pre=pre,
-                       lease=lease).fit()
+        return Trainer(cfg, world, device, resume=resume, storage_options=storage_options,
+                       interrupts=Interrupts(pre, lease)).fit()
     finally:
         pre.uninstall()
         if lease is not None:

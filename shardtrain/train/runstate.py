@@ -3,7 +3,8 @@
     RunState.build(cfg, tokenizer, device): model (+ QAT), AdamW, warm-up + cosine LambdaLR, GradScaler
       -> load(checkpoint state): optimiser, scheduler, scaler, step, best val loss, loader cursor, OOM split levels,
          the closed loop's state and this rank's RNG (a rank the checkpoint's smaller world lacked gets a fresh seed)
-      -> rank_state() / main_state(closed loop): what every rank / rank 0 writes into the next checkpoint
+      -> checkpoint_parts(): rank_state() / main_state(closed loop), what every rank / rank 0 writes into the
+         next checkpoint (checkpoint.CheckpointParts)
 
 Kept apart from the trainer (train/trainer.py) so the trainer reads as the step loop alone; the state's fields are
 what update.py's optimiser step uses (`tok`, `raw_model`, `model`, `optimizer`, `scheduler`, `scaler`, `step`,
@@ -115,6 +116,15 @@ class RunState:
         return {"rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                 "loader_state": json.dumps(self.loader_state)}
+
+    def checkpoint_parts(self, device: torch.device, closed: ClosedLoop, *, main: bool,
+                         meta: dict) -> ckpt.CheckpointParts:
+        """This rank's share of a checkpoint of the current step: its RNG and cursor; on rank 0 (`main`) also the
+        weights (unwrapped from DDP), the main state and meta.json's fields. References, not copies: the save
+        serialises them at once."""
+        return ckpt.CheckpointParts(step=self.step, rank_state=self.rank_state(device),
+                                    main_state=self.main_state(closed) if main else None,
+                                    model_state=self.raw_model.state_dict() if main else None, meta=meta)
 
     def main_state(self, closed: ClosedLoop) -> dict:
         """What rank 0 writes besides the weights: optimiser, schedule, scaler, counters, tokenizer, budgets."""

@@ -48,6 +48,11 @@ class Collectives:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's `flag` is set (one all-reduce): what a checkpoint's save and load stages agree on, so
+        a failure on one rank is a failure on all (train/checkpoint.py `agree`)."""
+        return self.max([float(flag)])[0] > 0
+
     def barrier(self) -> None:
         if self.on:
             dist.barrier()

@@ -8,7 +8,7 @@
       -> _step: key log + ledger, then update.optimiser_step (targets, ONE all-reduce of the token count,
          augment with a generator seeded from (seed, epoch, step, rank), forward/backward, OOM split, clip, AdamW)
       -> _account: guard counters, per-bucket peaks, OOM events; a step with no target token anywhere is no step
-      -> _log (one all-reduce per interval) -> _must_stop (one all-reduce: a signal, a lost lease)
+      -> _log (one all-reduce per interval) -> Interrupts.agreed (one all-reduce: a signal, a lost lease)
       -> _validate -> _checkpoint -> the fault seam `train.step.rank<r>`
 
 Empty batches (every sample of a planned batch failed to decode) still take part in the step: the rank runs
@@ -72,6 +72,26 @@ MAX_CKPT_FAILURES = 3
 before the run stops; a failed final or preemption checkpoint stops it at once."""
 
 
+@dataclass(frozen=True, slots=True)
+class Interrupts:
+    """What may stop a run between two steps, both the process's (loop.train installs and releases them): the
+    signal handlers (preempt.py) and rank 0's lease on the run folder (None on the other ranks, or without one)."""
+
+    pre: Preemption
+    lease: runfiles.RunLease | None = None
+
+    def agreed(self, comm: Collectives) -> bool:
+        """The step boundary's one all-reduce: was any rank signalled (True: every rank stops at this step)? A
+        lease rank 0 lost raises LockHeld on every rank: another process may be writing the run folder."""
+        pre, lease = self.pre, self.lease
+        sig, lost = comm.max([float(pre.signum or 0), 1.0 if lease is not None and lease.lost else 0.0])
+        if lost:
+            raise LockHeld(lease.lost if lease is not None and lease.lost else "rank 0 lost the run folder's lease")
+        if sig and pre.t_signal is None:
+            pre.t_signal = time.time()  # this rank saw no signal: its delay counts from the agreement
+        return sig > 0
+
+
 class Trainer:
     """One rank's training run. Building it restores (or starts) the run and opens its outputs; `fit()` trains
     and closes them. The process group, the signal handlers and the lease belong to the caller (loop.train)."""
@@ -83,39 +103,39 @@ class Trainer:
     batches: Generator[tuple[Batch, dict], None, None]
 
     def __init__(self, cfg: RunConfig, world: World, device: torch.device, *, resume: bool,
-                 storage_options: dict | None, pre: Preemption, lease: runfiles.RunLease | None) -> None:
-        self.world, self.device, self.storage_options = world, device, storage_options
-        self.pre, self.lease = pre, lease
-        self.comm = Collectives(world, device)
+                 storage_options: dict | None, interrupts: Interrupts) -> None:
+        self.storage_options, self.interrupts = storage_options, interrupts
+        comm = Collectives(world, device)
         self.out, self.ckpt_dir = runfiles.run_dirs(cfg.train.out_dir)
-        self._fetch_run_folder(cfg)
-        self.run = self._restore(cfg, resume)
+        self._fetch_run_folder(cfg, world, comm)
+        self.run = self._restore(cfg, resume, world, device, comm)
         if self.run.resized is not None:
             cfg = elastic.apply(cfg, self.run.resized, self.run.optimizer, self.run.scheduler)
-        self.cfg, self.closed = closed_loop(cfg, self.run, device)
+        cfg, self.closed = closed_loop(cfg, self.run, device)
+        # peak memory per step: for the closed loop, or reported (mem_peak_mb) when a memory limit is set
+        mem = MemoryMeter(device, self.run.raw_model, self.run.optimizer) \
+            if self.closed.active or cfg.budget.memory_limit_mb else None
+        self.ctx = StepContext(cfg, world, device, comm, Augmenters(cfg, device), table=self.closed.table,
+                               meter=mem, fault=self._oom_point)
+        """The one home of the run's config, world, device, collectives, augmenters and memory meter: every step
+        takes it (train/step.py); replaced (dataclasses.replace) when the closed loop moves the budget table."""
         self._write_run_files()
         self._open_outputs()
-        tc = self.cfg.train
-        self.augmenters = Augmenters(self.cfg, device)
+        tc = cfg.train
         self.bar = tqdm(total=tc.max_steps, initial=self.run.step, dynamic_ncols=True,
                         disable=not (world.is_main and tc.progress and sys.stderr.isatty()))
         self.last: dict = {}
         """The latest metrics row, validation result and checkpoint path: what fit() returns."""
         self.tokenless = 0
         self.meter = Interval()
-        # peak memory per step: for the closed loop, or reported (mem_peak_mb) when a memory limit is set
-        self.mem = MemoryMeter(device, self.run.raw_model, self.run.optimizer) \
-            if self.closed.active or self.cfg.budget.memory_limit_mb else None
         self.guard = StepGuard(max_nonfinite_steps=tc.max_nonfinite_steps,
                                max_impossible_share=tc.max_impossible_share)
         """Skipped non-finite steps and impossible targets (train/guards.py), counted over this attempt."""
-        self.ctx = self._step_context()
-        """What every step takes besides the run state and its batches; rebuilt when the closed loop re-plans."""
 
     # -- the loop
     def fit(self) -> dict:
         """Train to max_steps (or to a preemption); returns the last metrics with the run's counters."""
-        run, tc = self.run, self.cfg.train
+        run, tc = self.run, self.ctx.cfg.train
         run.model.train()
         try:
             while run.step < tc.max_steps:
@@ -127,12 +147,12 @@ class Trainer:
                     continue
                 self._log(micro[-1][0].epoch)
                 t_pause = time.perf_counter()
-                if run.step < tc.max_steps and self._must_stop():  # every rank, at this same step
+                if run.step < tc.max_steps and self.interrupts.agreed(self.ctx.comm):  # every rank, this step
                     return self._preempted(step_s=t_pause - t0)
                 self._checkpoint(self._validate())
                 self.meter.pause_s += time.perf_counter() - t_pause
                 # the fault seam: after any checkpoint of this step, so a test can crash right after a save
-                faults.point(f"train.step.rank{self.world.rank}", run.step,
+                faults.point(f"train.step.rank{self.ctx.world.rank}", run.step,
                              once_marker=self.out / f".fault_step_{run.step}.done")
         finally:
             self.close()
@@ -142,7 +162,7 @@ class Trainer:
     def _micro_batches(self) -> list:
         """The next grad_accum_steps (batch, loader state) pairs; the closed loop decides at an epoch's start."""
         micro: list = []
-        while len(micro) < self.cfg.train.grad_accum_steps:
+        while len(micro) < self.ctx.cfg.train.grad_accum_steps:
             # fork_rng: DataLoader draws a base seed from the global CPU RNG when an iterator starts; keep the
             # global RNG for dropout only, so a resumed run (new iterator) continues the same dropout stream
             with torch.random.fork_rng(devices=[]):
@@ -155,14 +175,13 @@ class Trainer:
     def _replanned(self, item: tuple) -> bool:
         """Between epochs: the closed loop's decision over all ranks; when the table moved, the loader restarts
         at the epoch's start with it."""
-        run = self.run
-        table, row = self.closed.boundary(self.comm, run.raw_model, run.optimizer, self.device, item[0].epoch,
+        run, ctx = self.run, self.ctx
+        table, row = self.closed.boundary(ctx.comm, run.raw_model, run.optimizer, ctx.device, item[0].epoch,
                                           run.step + 1)
         self.metrics.log(row)
         if table is None:
             return False
-        self.cfg = with_table(self.cfg, table)
-        self.ctx = self._step_context()
+        self.ctx = replace(ctx, cfg=with_table(ctx.cfg, table), table=self.closed.table)
         self.batches.close()
         state = {**(run.loader_state or item[1]), "epoch": item[0].epoch, "step": 0, "chain": []}
         self.loader.restart(self._stream_cfg(), state)
@@ -178,14 +197,9 @@ class Trainer:
             run.ledger.add(nxt, micro)
         return optimiser_step(self.ctx, run, micro)
 
-    def _step_context(self) -> StepContext:
-        """The step's context for the current config and budget table (train/step.py)."""
-        return StepContext(self.cfg, self.world, self.device, self.comm, self.augmenters, table=self.closed.table,
-                           meter=self.mem, fault=self._oom_point)
-
     def _oom_point(self, step: int) -> None:
         """The in-step fault seam `train.step.rank<r>` (action "oom"), once per step and run folder."""
-        faults.point(f"train.step.rank{self.world.rank}", step, actions=("oom",),
+        faults.point(f"train.step.rank{self.ctx.world.rank}", step, actions=("oom",),
                      once_marker=self.out / f".fault_oom_step_{step}.done")
 
     def _account(self, micro: list, res: StepResult) -> bool:
@@ -201,7 +215,7 @@ class Trainer:
             if self.tokenless >= MAX_EMPTY_STEPS:
                 raise StreamError(f"{self.tokenless} batches in a row with no sample or no target token on any rank "
                                   f"before step {run.step + 1}: every sample failed to decode, or the transcripts "
-                                  f"are empty; check {self.cfg.train.data_url} (`shardtrain inspect --verify`)")
+                                  f"are empty; check {self.ctx.cfg.train.data_url} (`shardtrain inspect --verify`)")
             return False
         self.tokenless = 0
         run.step += 1
@@ -228,16 +242,16 @@ class Trainer:
     def _log(self, epoch: int) -> None:
         """Every log_every_steps and at the end: one metrics row (one all-reduce); without a terminal (torchrun,
         SLURM, a pipe) also one progress line."""
-        run, tc = self.run, self.cfg.train
+        run, ctx, tc = self.run, self.ctx, self.ctx.cfg.train
         if not (run.step % tc.log_every_steps == 0 or run.step == tc.max_steps):
             return
         lr = float(run.scheduler.get_last_lr()[0])
-        row = self.meter.row(run.step, lr, self.comm, float(self.loader.stats()["skipped"]), epoch, self.device)
+        row = self.meter.row(run.step, lr, ctx.comm, float(self.loader.stats()["skipped"]), epoch, ctx.device)
         row.update(self._dataset_seconds())
         row.update(self.guard.counters())
         self.metrics.log(row)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}")
-        if self.bar.disable and self.world.is_main:
+        if self.bar.disable and ctx.world.is_main:
             log.info("step %d/%d  loss %.3f  %.0f audio-s/s  data wait %.0f%%  lr %.2e  skipped %d", run.step,
                      tc.max_steps, row["loss"], row["audio_s_per_s"], row["data_wait_pct"], row["lr"],
                      row["skipped"])
@@ -248,17 +262,7 @@ class Trainer:
         secs = self.loader.stats().get("dataset_seconds")
         if not secs:
             return {}
-        return {f"audio_s/d{i}": s for i, s in enumerate(self.comm.sum(list(secs)))}
-
-    def _must_stop(self) -> bool:
-        """The step boundary's one all-reduce: was any rank signalled, or did rank 0 lose the run's lease?"""
-        pre, lease = self.pre, self.lease
-        sig, lost = self.comm.max([float(pre.signum or 0), 1.0 if lease is not None and lease.lost else 0.0])
-        if lost:
-            raise LockHeld(lease.lost if lease is not None and lease.lost else "rank 0 lost the run folder's lease")
-        if sig and pre.t_signal is None:
-            pre.t_signal = time.time()  # this rank saw no signal: its delay counts from the agreement
-        return sig > 0
+        return {f"audio_s/d{i}": s for i, s in enumerate(self.ctx.comm.sum(list(secs)))}
 
     def _preempted(self, step_s: float) -> dict:
         """Checkpoint this step on every rank (a failure raises: there is no later chance), log the delay next to
@@ -266,19 +270,19 @@ class Trainer:
         run, t0 = self.run, time.time()
         self._checkpoint(None, force=True)
         done = time.time()
-        row = {"step": run.step, "event": "preempted", "signal": self.pre.name(),
-               "preempt_s": round(done - (self.pre.t_signal or t0), 3), "checkpoint_s": round(done - t0, 3),
+        row = {"step": run.step, "event": "preempted", "signal": self.interrupts.pre.name(),
+               "preempt_s": round(done - (self.interrupts.pre.t_signal or t0), 3), "checkpoint_s": round(done - t0, 3),
                "step_s": round(step_s, 3)}
         self.metrics.log(row)
         log.warning("step %d: %s received; checkpoint %s committed %.2f s after the signal (write %.2f s); "
                     "exiting to be resumed with --resume", run.step, row["signal"], self.last.get("checkpoint"),
                     row["preempt_s"], row["checkpoint_s"])
-        return {**self.last, **row, "preempted": True, "out_dir": self.cfg.train.out_dir,
+        return {**self.last, **row, "preempted": True, "out_dir": self.ctx.cfg.train.out_dir,
                 "oom_splits": run.oom_splits}
 
     def _validate(self) -> float | None:
         """Validate every `val_every_steps` and at the end; returns the pooled val_loss when it ran (evaluate.py)."""
-        run, tc = self.run, self.cfg.train
+        run, tc = self.run, self.ctx.cfg.train
         end = run.step == tc.max_steps
         if not tc.val_data_url or not (end or (tc.val_every_steps and run.step % tc.val_every_steps == 0)):
             return None
@@ -310,7 +314,7 @@ class Trainer:
     def _checkpoint(self, val_loss: float | None, *, force: bool = False) -> None:
         """Save every `ckpt_every_steps`, at the end and when `force`d (all ranks take part: each writes its own
         RNG + loader state). A failed periodic save is logged and training goes on (MAX_CKPT_FAILURES)."""
-        run, tc = self.run, self.cfg.train
+        run, tc = self.run, self.ctx.cfg.train
         end = run.step == tc.max_steps
         if not (force or end or (tc.ckpt_every_steps and run.step % tc.ckpt_every_steps == 0)):
             return
@@ -326,20 +330,17 @@ class Trainer:
             self.metrics.log({"step": run.step, "event": "checkpoint_failed", "reason": str(e)})
 
     def _save(self, val_loss: float | None) -> None:
-        run, tc, world, comm = self.run, self.cfg.train, self.world, self.comm
+        run, ctx, tc = self.run, self.ctx, self.ctx.cfg.train
         check_finite_weights(run.raw_model, run.step)  # every rank holds the same weights: all refuse together
         if run.ledger is not None:  # before the checkpoint commits: a file without its checkpoint is cut on resume
             run.ledger.flush(run.step)
-        path = ckpt.save_checkpoint(
-            self.ckpt_dir, step=run.step, rank=world.rank, world_size=world.world_size, barrier=comm.barrier,
-            rank_state=run.rank_state(self.device), main_state=run.main_state(self.closed) if world.is_main else None,
-            model_state=run.raw_model.state_dict() if world.is_main else None,
-            meta={"val_loss": val_loss, "config": to_dict(self.cfg), "time_unix": time.time(),
-                  "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None},
-            keep_last=tc.keep_last, storage_options=self.storage_options,
-            agree=lambda bad: comm.max([float(bad)])[0] > 0)
+        meta = {"val_loss": val_loss, "config": to_dict(ctx.cfg), "time_unix": time.time(),
+                "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None}
+        parts = run.checkpoint_parts(ctx.device, self.closed, main=ctx.world.is_main, meta=meta)
+        path = ckpt.save_checkpoint(self.ckpt_dir, parts, world=ctx.world, keep_last=tc.keep_last,
+                                    storage_options=self.storage_options, agree=ctx.comm.any)
         self.last["checkpoint"] = str(path)
-        if world.is_main and ckpt.is_remote(tc.out_dir):
+        if ctx.world.is_main and ckpt.is_remote(tc.out_dir):
             runfiles.push_run_files(self.out, tc.out_dir, self.storage_options)
 
     def close(self) -> None:
@@ -351,24 +352,26 @@ class Trainer:
         self.metrics.close()
 
     # -- start-up
-    def _fetch_run_folder(self, cfg: RunConfig) -> None:
+    def _fetch_run_folder(self, cfg: RunConfig, world: World, comm: Collectives) -> None:
         """The run folder on rank 0 (fetched from the object store for an s3:// --out), then every rank goes on."""
-        if self.world.is_main:
+        if world.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             if ckpt.is_remote(cfg.train.out_dir):
                 runfiles.fetch_run_files(cfg.train.out_dir, self.out, self.storage_options)
-        self.comm.barrier()
+        comm.barrier()
 
-    def _restore(self, cfg: RunConfig, resume: bool) -> RunState:
-        """Model, optimiser, scheduler and scaler, from the newest intact checkpoint when resuming."""
-        world, tc = self.world, cfg.train
+    def _restore(self, cfg: RunConfig, resume: bool, world: World, device: torch.device,
+                 comm: Collectives) -> RunState:
+        """Model, optimiser, scheduler and scaler, from the newest intact checkpoint when resuming (before the
+        step context exists: the config may still change, so world, device and collectives come as arguments)."""
+        tc = cfg.train
         latest = ckpt.latest_checkpoint(self.ckpt_dir, self.storage_options)
         if latest is not None and not resume:
             raise ValueError(f"{os.path.dirname(str(self.ckpt_dir))} already holds checkpoints "
                              f"({os.path.basename(str(latest))}); pass --resume to continue it, or choose a new --out")
         latest, state = (ckpt.load_newest_intact(
             self.ckpt_dir, rank=world.rank, world_size=world.world_size,
-            agree=lambda bad: self.comm.max([float(bad)])[0] > 0,
+            agree=comm.any,
             storage_options=self.storage_options) if resume and latest else (None, None))
         if resume and state is None:
             log.info("--resume: no checkpoint in %s yet; starting from scratch", self.ckpt_dir)
@@ -376,10 +379,10 @@ class Trainer:
             build_tokenizer(tc, world, self.storage_options, cfg.text)
         if world.is_main:
             warn_missing_chars(val_sets(tc), tok, self.storage_options)  # once, at start: what validation lacks
-        run = RunState.build(cfg, tok, self.device)
+        run = RunState.build(cfg, tok, device)
         if state and latest is not None:
             run.fit_model(state, cfg, latest)
-            run.load(state, self.device, seed=tc.seed * 1000 + world.rank)
+            run.load(state, device, seed=tc.seed * 1000 + world.rank)
             run.resized = elastic.decide(state["meta"], cfg, world.world_size)
             stored, now = state["meta"]["config"], json.loads(json.dumps(to_dict(cfg)))
             changed = sorted(k for k in stored if stored[k] != now.get(k))
@@ -390,25 +393,27 @@ class Trainer:
         else:
             torch.manual_seed(tc.seed * 1000 + world.rank)  # dropout streams differ per rank
         if world.world_size > 1 and not cfg.budget.oom_split:
-            run.model = DDP(run.raw_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            run.model = DDP(run.raw_model, device_ids=[device.index] if device.type == "cuda" else None)
         elif world.world_size > 1:  # update.py all-reduces the gradients itself, after every rank's backward
             broadcast_params(run.raw_model)
         return run
 
     def _write_run_files(self) -> None:
         """config.json (the resolved config) and vocab.json, on rank 0."""
-        if not self.world.is_main:
+        ctx = self.ctx
+        if not ctx.world.is_main:
             return
         tmp = self.out / "config.json.tmp"
-        tmp.write_text(json.dumps(to_dict(self.cfg), indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(to_dict(ctx.cfg), indent=1, sort_keys=True))
         os.replace(tmp, self.out / "config.json")
         (self.out / "vocab.json").write_text(json.dumps(self.run.tok.to_json()))
         log.info("model: %.2fM parameters, vocabulary %d, device %s, world size %d",
-                 num_parameters(self.run.raw_model) / 1e6, len(self.run.tok), self.device, self.world.world_size)
+                 num_parameters(self.run.raw_model) / 1e6, len(self.run.tok), ctx.device,
+                 ctx.world.world_size)
 
     def _open_outputs(self) -> None:
         """Metrics (cut back to the resumed step), key log, the endless loader from the run's cursor, ledger."""
-        run, tc, world = self.run, self.cfg.train, self.world
+        run, tc, world = self.run, self.ctx.cfg.train, self.ctx.world
         redone = redone_after(self.out / "metrics.jsonl", run.step) if world.is_main else None  # before the cut
         self.metrics = MetricsLogger(self.out, active=world.is_main, tensorboard=tc.tensorboard, start_step=run.step)
         if run.resized is not None:
@@ -421,12 +426,12 @@ class Trainer:
 
     def _stream_cfg(self):
         """An endless stream, asked for explicitly (a default StreamConfig runs one epoch): max_steps ends training."""
-        return replace(self.cfg.stream, epochs=None)
+        return replace(self.ctx.cfg.stream, epochs=None)
 
     def _start_ledger(self, redone: dict | None) -> LedgerWriter:
         """This rank's ledger for the attempt starting at run.step; the attempt is named by rank 0's clock."""
-        run, tc, world = self.run, self.cfg.train, self.world
-        t_ms = int(self.comm.sum([time.time() * 1000.0 if world.is_main else 0.0])[0])
+        run, tc, world = self.run, self.ctx.cfg.train, self.ctx.world
+        t_ms = int(self.ctx.comm.sum([time.time() * 1000.0 if world.is_main else 0.0])[0])
         sources = data_sources(tc)
         pairs = [(sources, 1.0)] if isinstance(sources, str) else sources
         # content ids (shard sha256s) let `shardtrain ledger` refuse a dataset re-packed since (same rows, other audio);

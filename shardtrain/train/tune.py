@@ -168,14 +168,27 @@ def largest_fit(fits, n_max: int, start: int = 1) -> tuple[int, int]:
     return lo, probes
 
 
-def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.device, *, target_bytes: float,
-         max_batch_seconds: float, num_buckets: int | None = None, progress: bool = False) -> dict:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Search:
+    """What bounds the search (the command's flags, resolved): the peak a step may reach, the largest budget tried
+    and the buckets to cut. One value, so the search's bounds travel together from the CLI to `tune`."""
+
+    target_bytes: float
+    """Peak memory one step may reach (--memory-limit-mb, or --memory-fraction of the device: default_target)."""
+    max_batch_seconds: float
+    """The largest budget a bucket is searched up to (--max-batch-seconds, else default_search_s)."""
+    num_buckets: int | None = None
+    """Duration buckets to cut (--buckets); None: the preset's stream.bucket.num_buckets."""
+
+
+def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.device, search: Search, *,
+         progress: bool = False) -> dict:
     """The budget.json document (train/budget.py) for `cfg` on a dataset with these durations."""
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    b = cfg.stream.bucket
-    buckets = choose_buckets(duration_s, cfg, num_buckets)
+    b, target_bytes = cfg.stream.bucket, search.target_bytes
+    buckets = choose_buckets(duration_s, cfg, search.num_buckets)
     prober = Prober(cfg, vocab_size, device, cfg.train.seed)
     prober.probe(1, buckets[0].shortest_s)  # allocates the optimiser state, which every later step holds
     # the smallest batch of the most demanding bucket first: when it does not fit, say so in seconds, not after
@@ -186,7 +199,7 @@ def tune(cfg: RunConfig, duration_s: np.ndarray, vocab_size: int, device: torch.
     bar = tqdm(buckets, desc="tune", unit="bucket", disable=not progress)
     for i, bk in enumerate(bar):
         longest, unit = _costs(b, bk)
-        n_max = max(1, int((max_batch_seconds - longest) // unit) + 1)
+        n_max = max(1, int((search.max_batch_seconds - longest) // unit) + 1)
         n_max = n_max if b.max_batch_size is None else min(n_max, b.max_batch_size)
         seen: dict[int, float] = {}
         times: dict[int, float] = {}

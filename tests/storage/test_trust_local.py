@@ -30,6 +30,7 @@ from shardtrain.storage.cache import ShardCache
 from shardtrain.storage.private import PrivateDirError, private_dir, user_dir
 from shardtrain.testing.indexes import write_index_dataset
 from shardtrain.train import checkpoint as ckpt
+from shardtrain.world import World
 
 USER = "strtest"
 
@@ -199,12 +200,17 @@ def _save_all(url: str, step: int, world: int, tag: str, so: dict) -> None:
     barrier = threading.Barrier(world)
     errors: list[BaseException] = []
 
+    def agree(bad: bool) -> bool:  # threads standing in for ranks: the barrier orders the stages, each its own flag
+        barrier.wait()
+        return bad
+
     def rank(r: int) -> None:
         try:
-            ckpt.save_checkpoint(url, step=step, rank=r, world_size=world, barrier=barrier.wait,
-                                 rank_state=_rank_state(tag, r), main_state={"step": step} if r == 0 else None,
-                                 model_state={"w": torch.zeros(2)} if r == 0 else None, meta={"val_loss": None},
-                                 keep_last=3, storage_options=so)
+            parts = ckpt.CheckpointParts(step=step, rank_state=_rank_state(tag, r),
+                                         main_state={"step": step} if r == 0 else None,
+                                         model_state={"w": torch.zeros(2)} if r == 0 else None, meta={"val_loss": None})
+            ckpt.save_checkpoint(url, parts, world=World(rank=r, world_size=world), keep_last=3, storage_options=so,
+                                 agree=agree)
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
             barrier.abort()

@@ -287,7 +287,7 @@ def test_noise_bank_from_packed_dataset(tmp_path):
         soundfile.write(src / f"n{i}.wav", wave[0].numpy(), 8000)
         (src / f"n{i}.txt").write_text("noise")
     pack(PackConfig(input=str(src), output=str(tmp_path / "ds"), progress=False))
-    bank = NoiseBank.from_dataset(str(tmp_path / "ds"), max_seconds=2.5, sample_rate_hz=RATE, device="cpu")
+    bank = NoiseBank.from_dataset(str(tmp_path / "ds"), max_seconds=2.5, sample_rate_hz=RATE)
     assert abs(bank.seconds - 2.5) < 1e-3 and bank.sample_rate_hz == RATE
     assert float(bank.waves.abs().max()) > 0.01
     chain = DeviceAugment(FULL, FeatureConfig(), RATE, noise_bank=bank)

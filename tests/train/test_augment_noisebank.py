@@ -61,3 +61,15 @@ def test_stereo_8k_clips_are_averaged_and_resampled(tmp_path):
     mid = bank.waves[0, 4000:12000].numpy()
     peak = 0.5 * np.abs(np.cos(0.25))  # the mean of two sines 0.5 rad apart
     assert abs(np.abs(mid).max() - peak) < 0.02
+
+
+def test_start_up_reads_the_index_once(tmp_path, monkeypatch):
+    """The row count comes from the manifest; index.parquet is read once, by read_members (its checked columns)."""
+    from shardtrain.format.manifest import Dataset
+
+    url = _pack(tmp_path, [0.5, 0.8, 1.1])
+    reads: list = []
+    real = Dataset.read_index
+    monkeypatch.setattr(Dataset, "read_index", lambda self, columns=None: reads.append(columns) or real(self, columns))
+    bank = NoiseBank.from_dataset(url, max_seconds=100.0, sample_rate_hz=RATE, seed=7)
+    assert len(bank.names) == 3 and len(reads) == 1, reads

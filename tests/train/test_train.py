@@ -139,10 +139,9 @@ def test_empty_steps_do_not_advance_and_all_empty_data_stops(six_utts, tmp_path,
 
 
 def _save(root: Path, step: int, numel: int = 1 << 20) -> None:
-    ckpt.save_checkpoint(root, step=step, rank=0, world_size=1, barrier=lambda: None,
-                         rank_state={"loader_state": "{}"}, main_state={"step": step},
-                         model_state={"w": torch.full((numel,), float(step))}, meta={"val_loss": None},
-                         keep_last=2)
+    parts = ckpt.CheckpointParts(step=step, rank_state={"loader_state": "{}"}, main_state={"step": step},
+                                 model_state={"w": torch.full((numel,), float(step))}, meta={"val_loss": None})
+    ckpt.save_checkpoint(root, parts, world=World(), keep_last=2)
 
 
 def test_crash_during_save_leaves_previous_checkpoints(tmp_path, monkeypatch):
