@@ -4,10 +4,13 @@
     testing imports only storage (and base); pack and load never import each other.
 
 Checked on the source (AST), so lazy imports inside functions and TYPE_CHECKING imports count too: for the room
-rule all of them, for the cycle check every import that runs (module level and lazy, function-level ones). A lazy
-import only hides a circle until the function runs. TYPE_CHECKING imports stay out of the cycle graph: they never
-run, and a type named both ways (a config and the module that reads it) is not a circle. The first tests run the
-checker on a copy of the tree with a forbidden import and circles added, so a checker that sees nothing fails.
+rule all of them, for the cycle check every import that runs (module level and lazy: function-level ones,
+`importlib.import_module("shardtrain...")` and the lazy names a package `__init__` serves through `__getattr__`,
+whose module names it holds as strings). A lazy import only hides a circle until the function runs. TYPE_CHECKING
+imports stay out of the cycle graph: they never run, and a type named both ways (a config and the module that reads
+it) is not a circle. The first tests run the checker on a copy of the tree with a forbidden import and circles
+added, so a checker that sees nothing fails. Further down: one meaning per name, one home per syntax, short
+functions and short signatures.
 """
 from __future__ import annotations
 
@@ -79,6 +82,31 @@ def _imports(path: Path, pkg: Path, module_level_only: bool, runtime_only: bool 
     return out
 
 
+def _dynamic_imports(path: Path, pkg: Path) -> set[str]:
+    """Modules `path` imports by name at run time: `importlib.import_module("shardtrain.x")` anywhere, and in a
+    package `__init__` serving lazy names (a module-level `__getattr__`), every module its module-level strings name
+    (`_LAZY = {"pack": "packer"}`: shardtrain.pack.packer), which the first use of such a name imports."""
+    tree = ast.parse(path.read_text())
+    here = _module_name(path, pkg)
+
+    def module(name: str) -> str | None:
+        for cand in (name, f"{here}.{name}"):
+            where = pkg.parent / cand.replace(".", "/")
+            if cand.split(".")[0] == pkg.name and (where.with_suffix(".py").is_file()
+                                                   or (where / "__init__.py").is_file()):
+                return cand
+        return None
+
+    names = [n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
+             and ast.unparse(n.func).endswith("import_module") and isinstance(n.args[0], ast.Constant)
+             and isinstance(n.args[0].value, str)]
+    if path.name == "__init__.py" and any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+                                          for n in tree.body):
+        top = [n for n in tree.body if not isinstance(n, (ast.Expr, ast.FunctionDef)) and not _type_checking(n)]
+        names += [c.value for n in top for c in ast.walk(n) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return {m for m in map(module, names) if m is not None and m != here}
+
+
 def _room(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
@@ -102,6 +130,7 @@ def violations(pkg: Path) -> list[str]:
             elif target not in ALLOWED.get(room, set()):
                 bad.append(f"{mod} imports {imp}: {room} may import only {sorted(ALLOWED.get(room, set()))}")
         graph[mod] = {i for i in _imports(path, pkg, module_level_only=False, runtime_only=True) if i != mod}
+        graph[mod] |= _dynamic_imports(path, pkg)
     bad += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
     return bad
 
@@ -156,6 +185,23 @@ def test_a_lazy_import_circle_is_a_cycle_and_a_type_checking_one_is_not(tmp_path
     found = [v for v in violations(pkg) if v.startswith("import cycle:")]
     assert any("c_mod" in v and "d_mod" in v for v in found), found
     assert not any("e_mod" in v or "f_mod" in v for v in found), found
+
+
+def test_a_circle_through_a_lazy_name_or_import_module_is_a_cycle(tmp_path):
+    """The room's lazy names (pack/__init__ `_LAZY` + `__getattr__`) and importlib.import_module are imports too."""
+    pkg = tmp_path / "shardtrain"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    init = pkg / "pack" / "__init__.py"
+    assert "_LAZY = {" in init.read_text()
+    init.write_text(init.read_text().replace("_LAZY = {", '_LAZY = {"Gee": "g_mod", ', 1))
+    (pkg / "pack" / "g_mod.py").write_text("def f():\n    from shardtrain.pack import PackConfig  # noqa\n")
+    (pkg / "pack" / "h_mod.py").write_text("import importlib\n\n\ndef f():\n"
+                                           "    return importlib.import_module('shardtrain.pack.i_mod')\n")
+    (pkg / "pack" / "i_mod.py").write_text("from shardtrain.pack import h_mod  # noqa\n")
+    found = [v for v in violations(pkg) if v.startswith("import cycle:")]
+    assert any("shardtrain.pack.g_mod -> shardtrain.pack ->" in v or "shardtrain.pack -> shardtrain.pack.g_mod" in v
+               for v in found), found
+    assert any("h_mod" in v and "i_mod" in v for v in found), found
 
 
 def test_pack_and_load_do_not_know_each_other(tmp_path):
@@ -262,3 +308,98 @@ def test_no_function_is_longer_than_a_page():
             if lines > MAX_FUNCTION_LINES:
                 long.append(f"{path.relative_to(PKG)}:{n.lineno} {n.name} ({lines} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+MAX_PARAMETERS = 8
+"""Parameters a function may take (keyword-only, *args and **kwargs count; self/cls do not). Past that, the values
+travel together and want a home: a frozen config near its owner (tune.Search), the object that already holds
+them (RunState, StepContext, World), or a value grouping what one call writes (checkpoint.CheckpointParts)."""
+LONG_SIGNATURES = {
+    "storage/fs.py: iter_range": (12, "the ranged read's knobs (retry budget, piece size, backoff, pins, "
+                                      "direct_http) are keyword defaults its callers forward as **kw; a frozen read "
+                                      "policy belongs to the storage room's own pass"),
+    "load/planner.py: rows_epoch": (9, "an epoch's key (seed, epoch, world size, chain) beside a mixture's row maps, "
+                                       "as epoch_plan takes them; a frozen epoch key is the load room's change"),
+}
+"""Functions allowed past MAX_PARAMETERS, each with the count it may not exceed and why it has not moved yet. An
+entry that is no longer needed fails the test, so the list only shrinks."""
+
+
+def _functions(tree: ast.AST, prefix: str = ""):
+    """(qualified name, node) of every function and method, nested ones included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                yield name, node
+            yield from _functions(node, f"{name}.")
+        else:
+            yield from _functions(node, prefix)
+
+
+def parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_parameters_count_keyword_only_and_star_args_not_self():
+    tree = ast.parse("class A:\n    def m(self, a, /, b=1, *c, d, e=2, **f): pass\n"
+                     "def g(x, *, y): pass\n")
+    assert {name: parameters(fn) for name, fn in _functions(tree)} == {"A.m": 6, "g": 2}
+
+
+def test_no_function_takes_more_than_a_handful_of_parameters():
+    """No function in shardtrain/ takes more than MAX_PARAMETERS values, except the listed ones, which may not grow."""
+    long, seen = [], set()
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        for name, fn in _functions(ast.parse(path.read_text())):
+            n, key = parameters(fn), f"{rel}: {name}"
+            allowed = LONG_SIGNATURES.get(key, (MAX_PARAMETERS, ""))[0]
+            if key in LONG_SIGNATURES and n > MAX_PARAMETERS:
+                seen.add(key)
+            if n > allowed:
+                long.append(f"{key} ({n} parameters)")
+    assert not long, f"functions over {MAX_PARAMETERS} parameters (group them, or list them with a reason): {long}"
+    stale = sorted(set(LONG_SIGNATURES) - seen)
+    assert not stale, f"no longer past the limit, remove from LONG_SIGNATURES: {stale}"
+
+
+AUDIO_REF_HOME = "format/audioref.py"
+AUDIO_REF_USERS = {
+    "pack/scan.py": "tests whether a local item is a reference (`in`) to skip its os.stat: parses no range and bounds "
+                    "nothing; format.audioref.parse_byte_range is the one to call there (pack room)",
+}
+"""Modules outside format/audioref.py whose code names the `#bytes=` syntax, and why none of them parses it."""
+
+
+def _code_strings(tree: ast.AST):
+    """(line, text) of every string constant that is code, not a docstring or other bare string statement."""
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_one_audio_reference_parser():
+    """`<file>#bytes=START-END` is written and parsed by format/audioref.py alone (one parser, one bound:
+    MAX_RANGE_BYTES), for pack and infer alike: no other module's code spells the syntax."""
+    found, users = [], set()
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        hits = [line for line, text in _code_strings(ast.parse(path.read_text())) if "#bytes=" in text]
+        if rel == AUDIO_REF_HOME or not hits:
+            continue
+        if rel in AUDIO_REF_USERS:
+            users.add(rel)
+        else:
+            found += [f"{rel}:{line}" for line in hits]
+    assert not found, f"the #bytes= reference outside {AUDIO_REF_HOME} (call format.audioref): {found}"
+    assert users == set(AUDIO_REF_USERS), f"no longer needed in AUDIO_REF_USERS: {sorted(set(AUDIO_REF_USERS) - users)}"
+
+
+def test_every_folder_of_modules_is_a_declared_room():
+    """A new folder of modules is a new room: it needs its line in the import rule (ALLOWED) and a map (the tests
+    above run over the declared rooms); a folder inside a room would hide its modules from the room's map."""
+    folders = {p.parent.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if p.parent != PKG}
+    assert folders == set(ALLOWED) | {"cli"}, sorted(folders ^ (set(ALLOWED) | {"cli"}))
