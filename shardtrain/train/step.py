@@ -1,7 +1,7 @@
 """What one batch needs on the device, shared by the training step and validation.
 
     StepContext: what every step of a run shares (config, world, device, collectives, augmenters, budget table,
-      memory meter, in-step fault seam), built once by the Trainer and again when the closed loop moves the table
+      memory meter, in-step fault seam): the Trainer's one home for them, replaced when the closed loop moves the table
     Batch (CPU, pinned) -> to_device (targets via the tokenizer; B=0 -> a silent dummy) -> Augmenters (one
     DeviceAugment per input rate) -> model under `autocast` -> evaluate: loss, greedy CTC decode, CER/WER sums
     -> Collectives.sum (one all-reduce) -> per-token loss and error rates over every rank's share of the set.
@@ -78,8 +78,9 @@ def _no_fault(step: int) -> None:
 @dataclass(frozen=True, slots=True)
 class StepContext:
     """What the optimiser step (train/update.py) and validation (train/evaluate.py) take from the run besides its
-    state and the batches: constant over a run, except `cfg` and `table`, which the closed loop moves between
-    epochs (the Trainer then builds a new one; building one costs nothing)."""
+    state and the batches, and the Trainer's only home for them: constant over a run, except `cfg` and `table`,
+    which the closed loop moves between epochs (the Trainer then replaces it with dataclasses.replace; that costs
+    nothing, the rest is shared)."""
 
     cfg: RunConfig
     world: World
