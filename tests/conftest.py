@@ -182,6 +182,41 @@ def dataset_sha256s(out: Path) -> dict[str, str]:
     return got
 
 
+# ---- a packed dataset and its index rewritten, as someone who controls a bucket would (format/ trust tests) ----
+TRUST_DURS = [0.5, 0.6, 0.7, 0.8, 0.9, 0.65, 0.75, 0.85]  # all under 1 s: the old "+1 s" bound let every one through
+
+
+@pytest.fixture(scope="session")
+def trust_dataset(tmp_path_factory) -> Path:
+    """TRUST_DURS packed by the real packer from real FLAC (4 samples a shard). Read-only: copy, then rewrite."""
+    from shardtrain.pack.packer import PackConfig, pack
+
+    root = tmp_path_factory.mktemp("trust_format")
+    out = root / "ds"
+    pack(PackConfig(input=str(make_corpus(root / "corpus", TRUST_DURS, seed=3)), output=str(out), workers=1,
+                    max_samples_per_shard=4, progress=False))
+    return out
+
+
+def rewrite_index(src: Path, dst: Path, edit) -> Path:
+    """A copy of the dataset whose index.parquet is `edit(table)` (written as pack writes it, dictionary on)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    shutil.copytree(src, dst)
+    table = pq.read_table(dst / "index.parquet")
+    pq.write_table(edit(table), dst / "index.parquet", compression="zstd", store_schema=False)
+    return dst
+
+
+def set_column(table, name: str, values):
+    """`table` with column `name` replaced by `values`, its field (type, dictionary) kept."""
+    import pyarrow as pa
+
+    i = table.column_names.index(name)
+    return table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+
 def pytest_collection_modifyitems(config, items):
     """A test that uses the loopback S3 server is an `s3` test whether or not its module says so, so the fast tier
     (`scripts/test fast` = `-m "not slow and not s3"`) really starts no SeaweedFS."""

@@ -27,8 +27,6 @@ EXEMPT = {
 }
 
 ELSEWHERE = {
-    "format/indexread.py": "format/test_trust_format.py",
-    "format/limits.py": "format/test_float_audio.py",
     "infer/export.py": "infer/test_infer.py",
     "infer/onnx_runtime.py": "infer/test_checkpoint_model.py",
     "infer/transcribe.py": "infer/test_infer_inputs.py",
