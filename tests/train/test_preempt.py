@@ -24,7 +24,7 @@ from shardtrain.train.loop import train
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.world import World
 from conftest import pack_subset
-from test_train import SMALL, read_metrics
+from test_loop import SMALL, read_metrics
 
 EXTRA = ["train.log_every_steps=1", "train.ckpt_every_steps=2", "train.val_data_url="]
 

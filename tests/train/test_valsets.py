@@ -23,7 +23,7 @@ from shardtrain.train.overrides import apply_overrides
 from shardtrain.train.valsets import derive_names, split_named, val_sets
 from shardtrain.world import World
 
-# as tests/train/test_train.py: a 0.6M-parameter model, every batch = all six training utterances, no augmentation
+# as tests/train/test_loop.py: a 0.6M-parameter model, every batch = all six training utterances, no augmentation
 SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.augment=false", "train.lr=3e-3",
          "train.warmup_steps=3", "stream.bucket.max_batch_seconds=30", "stream.bucket.num_buckets=1",
          "train.tensorboard=false", "train.progress=false", "train.cpu_threads=1"]

@@ -171,7 +171,7 @@ KILL_SCRIPT = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from test_train import _save
+from test_loop import _save
 from shardtrain.train.checkpoint import latest_checkpoint, read_meta
 root = Path({root!r})
 last = latest_checkpoint(root)
