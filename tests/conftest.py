@@ -182,6 +182,26 @@ def dataset_sha256s(out: Path) -> dict[str, str]:
     return got
 
 
+@pytest.fixture(scope="session")
+def tones24(tmp_path_factory) -> Path:
+    """24 tone utterances (0.3-1.9 s, 3 speakers) packed from manifest.tsv, 5 a shard (5 shards). Read-only."""
+    from shardtrain.pack.packer import PackConfig, pack
+
+    root = tmp_path_factory.mktemp("tones24")
+    corpus = make_corpus(root / "corpus", [0.3 + 0.2 * (i % 9) for i in range(24)], seed=7)
+    pack(PackConfig(input=str(corpus / "manifest.tsv"), output=str(root / "out"), max_samples_per_shard=5,
+                    progress=False))
+    return root / "out"
+
+
+def copy_dataset(dataset: Path, tmp_path: Path) -> Path:
+    """A writable copy of a read-only dataset fixture, at tmp_path/copy."""
+    import shutil
+
+    dst = tmp_path / "copy"
+    shutil.copytree(dataset, dst)
+    return dst
+
 # ---- a packed dataset and its index rewritten, as someone who controls a bucket would (format/ trust tests) ----
 TRUST_DURS = [0.5, 0.6, 0.7, 0.8, 0.9, 0.65, 0.75, 0.85]  # all under 1 s: the old "+1 s" bound let every one through
 
