@@ -202,6 +202,13 @@ def copy_dataset(dataset: Path, tmp_path: Path) -> Path:
     shutil.copytree(dataset, dst)
     return dst
 
+@pytest.fixture
+def index_dataset(tmp_path) -> str:
+    """A metadata-only dataset of 3000 rows, 500 a shard (testing/indexes.py), per test: tests edit it."""
+    from shardtrain.testing.indexes import write_index_dataset
+
+    return write_index_dataset(tmp_path / "ds", 3000, per_shard=500)
+
 # ---- a packed dataset and its index rewritten, as someone who controls a bucket would (format/ trust tests) ----
 TRUST_DURS = [0.5, 0.6, 0.7, 0.8, 0.9, 0.65, 0.75, 0.85]  # all under 1 s: the old "+1 s" bound let every one through
 
