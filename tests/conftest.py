@@ -209,6 +209,26 @@ def index_dataset(tmp_path) -> str:
 
     return write_index_dataset(tmp_path / "ds", 3000, per_shard=500)
 
+@pytest.fixture(scope="session")
+def tagged_tones(tmp_path_factory) -> tuple[str, dict]:
+    """24 tones packed from a TSV with speaker and language columns (5 a shard); (dataset url, {id: source row})
+    with each row's path, text, speaker, language. Read-only (the interop adapters' tests)."""
+    from shardtrain.pack.packer import PackConfig, pack
+
+    root = tmp_path_factory.mktemp("tagged")
+    corpus = make_corpus(root / "corpus", [0.3 + 0.2 * ((i * 7) % 13) for i in range(24)], seed=4)
+    rows = {}
+    lines = ["path\ttext\tspeaker\tlanguage"]
+    for i, p in enumerate(sorted(corpus.glob("*.flac"))):
+        text = (corpus / (p.stem + ".txt")).read_text().strip()
+        rows[p.stem] = {"path": str(p), "text": text, "speaker": f"spk{i % 3}", "language": ["en", "de"][i % 2]}
+        lines.append(f"{p.name}\t{text}\tspk{i % 3}\t{['en', 'de'][i % 2]}")
+    (corpus / "extra.tsv").write_text("\n".join(lines) + "\n")
+    out = root / "ds"
+    pack(PackConfig(input=str(corpus / "extra.tsv"), output=str(out), max_samples_per_shard=5, workers=1,
+                    progress=False))
+    return str(out), rows
+
 # ---- a packed dataset and its index rewritten, as someone who controls a bucket would (format/ trust tests) ----
 TRUST_DURS = [0.5, 0.6, 0.7, 0.8, 0.9, 0.65, 0.75, 0.85]  # all under 1 s: the old "+1 s" bound let every one through
 

@@ -29,9 +29,6 @@ EXEMPT = {
 ELSEWHERE = {
     "infer/export.py": "infer/test_infer.py",
     "infer/onnx_runtime.py": "infer/test_checkpoint_model.py",
-    "interop/hf.py": "interop/test_interop.py",
-    "interop/lhotse.py": "interop/test_interop.py",
-    "interop/torchdata.py": "interop/test_interop.py",
     "train/checkpoint.py": "train/test_preempt.py",
     "train/config.py": "train/test_valsets.py",
     "train/features.py": "train/test_augment.py",
