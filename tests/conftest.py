@@ -229,6 +229,45 @@ def tagged_tones(tmp_path_factory) -> tuple[str, dict]:
                     progress=False))
     return str(out), rows
 
+# ---- zero-padded wave batches for the feature and augmentation tests (train/) ---------------------------------
+WAVE_LENGTHS = [16000, 12345, 8001, 5000, 401]
+
+
+def wave_batch(lengths: list[int], seed: int = 0, rate: int = 16000):
+    """Zero-padded band-limited-ish random waves (a few tones plus noise) with the given true lengths:
+    (waves [B, T], lengths [B])."""
+    import math
+
+    import torch
+
+    from shardtrain.train.features import valid_mask
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lengths)
+    width = max(lengths) if lengths else 0
+    t = torch.arange(width) / rate
+    freqs = 100 + 3000 * torch.rand(len(lengths), 3, generator=g)
+    waves = (torch.sin(2 * math.pi * freqs[:, :, None] * t).sum(1) * 0.1
+             + 0.01 * torch.randn(len(lengths), width, generator=g))
+    return waves * valid_mask(lens, width), lens
+
+
+def assert_padding_zero(waves, lengths) -> None:
+    """Nothing but zeros past each row's true length."""
+    import torch
+
+    from shardtrain.train.features import valid_mask
+
+    pad = ~valid_mask(lengths.to(waves.device), waves.shape[1])
+    assert torch.count_nonzero(waves[pad]) == 0
+
+
+def seeded(seed: int):
+    """A CPU torch.Generator seeded with `seed`."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
 # ---- a packed dataset and its index rewritten, as someone who controls a bucket would (format/ trust tests) ----
 TRUST_DURS = [0.5, 0.6, 0.7, 0.8, 0.9, 0.65, 0.75, 0.85]  # all under 1 s: the old "+1 s" bound let every one through
 

@@ -31,9 +31,7 @@ ELSEWHERE = {
     "infer/onnx_runtime.py": "infer/test_checkpoint_model.py",
     "train/checkpoint.py": "train/test_preempt.py",
     "train/config.py": "train/test_valsets.py",
-    "train/features.py": "train/test_augment.py",
     "train/runfiles.py": "train/test_preempt.py",
-    "train/text.py": "train/test_model.py",
 }
 
 

@@ -8,7 +8,6 @@ changed the numerics would change them.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.train.loop import train
 from shardtrain.train.model import CTCModel
 from shardtrain.train.overrides import apply_overrides
-from shardtrain.train.text import edit_distance, edit_ops
 from shardtrain.world import World
 from conftest import pack_subset
 
@@ -36,7 +34,6 @@ SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.aug
          "train.tensorboard=false", "train.progress=false", "train.cpu_threads=1", "train.val_every_steps=0",
          "train.log_every_steps=20"]
 TRAIN_UTTS = 6
-
 
 
 def _train(data: str, out: Path, steps: int, *overrides: str, pipeline: str = "tiny_cpu") -> Path:
@@ -71,32 +68,6 @@ def utterances(speech_corpus) -> list[tuple[str, np.ndarray, str]]:
 def _batch(waves: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.nn.utils.rnn.pad_sequence([torch.from_numpy(w) for w in waves], batch_first=True),
             torch.tensor([len(w) for w in waves]))
-
-
-def _old_edit_distance(ref, hyp) -> int:
-    """The pure-Python loop train/text.py used before rapidfuzz: the reference the new one must equal."""
-    prev = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        cur = [i] + [0] * len(hyp)
-        for j, h in enumerate(hyp, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
-        prev = cur
-    return prev[-1]
-
-
-def test_edit_distance_equals_the_old_implementation_and_ops_add_up():
-    rng = random.Random(0)
-    for _ in range(300):
-        a = "".join(rng.choice("ab c'") for _ in range(rng.randint(0, 40)))
-        b = "".join(rng.choice("ab c'") for _ in range(rng.randint(0, 40)))
-        d = edit_distance(a, b)
-        assert d == _old_edit_distance(a, b)
-        wa, wb = a.split(), b.split()
-        assert edit_distance(wa, wb) == _old_edit_distance(wa, wb)
-        ops = edit_ops(a, b)
-        assert sum(ops.values()) == d and ops["ins"] - ops["del"] == len(b) - len(a)
-    assert edit_ops("ABCD", "AXCDE") == {"sub": 1, "ins": 1, "del": 0}
-    assert edit_ops("THE CAT SAT".split(), "THE SAT".split()) == {"sub": 0, "ins": 0, "del": 1}
 
 
 def test_score_sums_edits_and_ranks_worst():
