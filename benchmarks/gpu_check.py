@@ -67,7 +67,7 @@ DRY_SET = ["stream.bucket.max_batch_seconds=30", "stream.num_workers=0"]
 GOALS = {"augment": "device batched / CPU per utterance >= 50x", "amp_step": "data wait < 2% of step time",
          "tune": "tuned / best single budget >= 1.3x audio s per s", "oom": "real CUDA OOM split, run finishes",
          "cuda_tests": "all pass", "onnx": "ORT CUDA runs", "data": "packed"}
-CUDA_TESTS = ["tests/train/test_augment.py", "tests/interop/test_interop.py"]
+CUDA_TESTS = ["tests/train/test_augment.py", "tests/interop/test_torchdata.py"]
 
 
 # ---------------------------------------------------------------------------------------------- parts
