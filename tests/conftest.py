@@ -229,6 +229,79 @@ def tagged_tones(tmp_path_factory) -> tuple[str, dict]:
                     progress=False))
     return str(out), rows
 
+# ---- small real training runs (train/, infer/) ---------------------------------------------------------------
+# A 0.6M-parameter model, no augmentation/dropout unless a test turns them on, every batch = all utterances.
+TRAIN_SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.augment=false", "train.lr=3e-3",
+               "train.warmup_steps=20", "stream.bucket.max_batch_seconds=30", "stream.bucket.num_buckets=1",
+               "train.tensorboard=false", "train.progress=false", "train.cpu_threads=1"]
+
+
+def train_small(data: str, out: Path, steps: int, *overrides: str, resume: bool = False,
+                pipeline: str = "tiny_cpu") -> dict:
+    """The real trainer in this process: `pipeline` + TRAIN_SMALL + data, out, steps, then `overrides`."""
+    from pipelines import load_pipeline
+    from shardtrain.train.loop import train
+    from shardtrain.train.overrides import apply_overrides
+    from shardtrain.world import World
+
+    cfg = apply_overrides(load_pipeline(pipeline), TRAIN_SMALL + [
+        f"train.data_url={data}", f"train.out_dir={out}", f"train.max_steps={steps}", *overrides])
+    return train(cfg, World(), resume=resume)
+
+
+def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl of a run: (training rows, validation rows)."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+@pytest.fixture(scope="session")
+def six_utts(speech_corpus, tmp_path_factory) -> str:
+    """The first 6 espeak-ng utterances packed (2 a shard). Read-only."""
+    return pack_subset(speech_corpus, tmp_path_factory.mktemp("six"), 6)
+
+
+OVERFIT_STEPS = 100
+
+
+@pytest.fixture(scope="session")
+def overfit_run(six_utts, tmp_path_factory) -> tuple[Path, dict]:
+    """TRAIN_SMALL trained OVERFIT_STEPS steps on six_utts, validated on them at the end (CER ~0 there), metrics
+    every 5 steps, checkpoints at 50 and 100: (run folder, train's result). One run shared by the loop's overfit
+    test and every inference test (transcribe, evaluate, export). Read-only."""
+    out = tmp_path_factory.mktemp("overfit") / "run"
+    res = train_small(six_utts, out, OVERFIT_STEPS, f"train.val_data_url={six_utts}", "train.log_every_steps=5",
+                      "train.val_every_steps=0", "train.ckpt_every_steps=50")
+    return out, res
+
+
+@pytest.fixture(scope="session")
+def overfit_dir(overfit_run) -> Path:
+    """overfit_run's run folder."""
+    return overfit_run[0]
+
+
+@pytest.fixture(scope="session")
+def speech_utterances(speech_corpus) -> list[tuple[str, "object", str]]:
+    """(key, float32 wave, reference) of all 20 speech_corpus files, decoded from FLAC (the first 6 are six_utts)."""
+    import soundfile as sf
+
+    out = []
+    for line in (speech_corpus / "manifest.tsv").read_text().splitlines()[1:]:
+        path, text, _ = line.split("\t")
+        wave, rate = sf.read(speech_corpus / path, dtype="float32")
+        assert rate == 16000
+        out.append((Path(path).stem, wave, text))
+    return out
+
+
+def pad_waves(waves: list) -> tuple:
+    """Numpy waves as one zero-padded float tensor [B, T] and their lengths [B]."""
+    import torch
+
+    return (torch.nn.utils.rnn.pad_sequence([torch.from_numpy(w) for w in waves], batch_first=True),
+            torch.tensor([len(w) for w in waves]))
+
 # ---- zero-padded wave batches for the feature and augmentation tests (train/) ---------------------------------
 WAVE_LENGTHS = [16000, 12345, 8001, 5000, 401]
 

@@ -27,11 +27,7 @@ EXEMPT = {
 }
 
 ELSEWHERE = {
-    "infer/export.py": "infer/test_infer.py",
     "infer/onnx_runtime.py": "infer/test_checkpoint_model.py",
-    "train/checkpoint.py": "train/test_preempt.py",
-    "train/config.py": "train/test_valsets.py",
-    "train/runfiles.py": "train/test_preempt.py",
 }
 
 
