@@ -302,6 +302,53 @@ def pad_waves(waves: list) -> tuple:
     return (torch.nn.utils.rnn.pad_sequence([torch.from_numpy(w) for w in waves], batch_first=True),
             torch.tensor([len(w) for w in waves]))
 
+
+# ---- a Lightning run and its ONNX export (infer/ on Lightning checkpoints, onnx_runtime) ----------------------
+LIGHTNING_FIT = '''
+import dataclasses, sys
+import torch
+from pipelines.tiny_cpu import config
+from shardtrain.interop.lightning import CTCLightningModule, ShardDataModule, build_trainer
+from shardtrain.load.plan import BucketConfig
+from shardtrain.pack.packer import PackConfig, pack
+from shardtrain.testing.corpus import make_corpus
+from shardtrain.train.model import ModelConfig
+from shardtrain.train.text import CharVocab
+
+root = sys.argv[1]
+pack(PackConfig(input=str(make_corpus(root + "/corpus", [0.5, 0.7, 0.9, 1.1], seed=5)), output=root + "/ds",
+                workers=1, progress=False))
+torch.set_num_threads(1)
+base = config()
+cfg = dataclasses.replace(
+    base, stream=dataclasses.replace(base.stream, bucket=BucketConfig(max_batch_seconds=2.0, num_buckets=1,
+                                                                      chunk_mb=0.05), decode_threads=1, epochs=None),
+    model=ModelConfig(d_model=32, num_layers=1, num_heads=2, conv_kernel=3),
+    train=dataclasses.replace(base.train, max_steps=2, val_every_steps=2, ckpt_every_steps=2, val_max_batches=1,
+                              warmup_steps=1, progress=False))
+dm = ShardDataModule(root + "/ds", root + "/ds", stream=cfg.stream, seed=0)
+module = CTCLightningModule(cfg, CharVocab.from_index(root + "/ds").to_json())
+build_trainer(cfg, root + "/run", accelerator="cpu", devices=1, enable_model_summary=False).fit(module, datamodule=dm)
+'''
+
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory) -> Path:
+    """LIGHTNING_FIT in a subprocess: 4 tones packed, the tiny Conformer trained 2 steps by a Lightning Trainer
+    (interop/lightning.build_trainer); root/run holds its step=N.ckpt checkpoints, root/ds the data. Read-only."""
+    root = tmp_path_factory.mktemp("pl_export")
+    p = subprocess.run([sys.executable, "-c", LIGHTNING_FIT, str(root)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, cwd=root)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return root
+
+
+@pytest.fixture(scope="session")
+def lightning_export(lightning_run) -> tuple[Path, subprocess.CompletedProcess]:
+    """`shardtrain export` of lightning_run's run, as the CLI in a subprocess: (model.onnx, the process)."""
+    out = lightning_run / "model.onnx"
+    return out, shardtrain_cli("export", str(lightning_run / "run"), str(out), timeout=600)
+
 # ---- zero-padded wave batches for the feature and augmentation tests (train/) ---------------------------------
 WAVE_LENGTHS = [16000, 12345, 8001, 5000, 401]
 

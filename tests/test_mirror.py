@@ -27,7 +27,6 @@ EXEMPT = {
 }
 
 ELSEWHERE = {
-    "infer/onnx_runtime.py": "infer/test_checkpoint_model.py",
 }
 
 
