@@ -109,14 +109,16 @@ print(json.dumps(results))
 """
 
 
-def shardtrain_cli_many(*argvs: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+def shardtrain_cli_many(*argvs: list[str], timeout: float = 300, cwd: Path | None = None
+                        ) -> list[subprocess.CompletedProcess]:
     """Several commands through `shardtrain.cli.main` in ONE fresh interpreter (torch imported once, not once per
     command: ~4 s each on 2 busy cores), each with its own stdout/stderr and exit status, as shardtrain_cli's."""
     import json
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     p = subprocess.run([sys.executable, "-c", _MANY, json.dumps([list(a) for a in argvs])], capture_output=True,
-                       text=True, timeout=timeout, env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       text=True, timeout=timeout, cwd=cwd,
+                       env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     return [subprocess.CompletedProcess(a, code, out, err) for a, (code, out, err) in
             zip(argvs, json.loads(p.stdout.strip().splitlines()[-1]))]
