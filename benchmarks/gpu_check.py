@@ -63,7 +63,7 @@ GPU = Sizes("cuda", 3000, 64, 15.0, "librispeech_base", 30, 8, 16384.0, 2,
             {"data": 90, "cuda_tests": 45, "augment": 45, "amp_step": 90, "tune": 180, "oom": 60, "onnx": 60}, 570)
 # The dry run proves every part runs and writes its row, at the smallest sizes that still give every bucket steps:
 # 1-5 s utterances and a 120 MiB target keep each CPU step to a fraction of a second (the suite runs it).
-DRY = Sizes("cpu", 24, 2, 2.0, "tiny_cpu", 5, 2, 120.0, 1,
+DRY = Sizes("cpu", 24, 2, 2.0, "tiny_cpu", 4, 2, 120.0, 1,
             {"data": 60, "cuda_tests": 60, "augment": 60, "amp_step": 60, "tune": 120, "oom": 60, "onnx": 30}, 400,
             durations_s=(1.0, 5.0))
 TRAIN_SET = ["train.precision=bf16"]  # bf16 autocast on both devices

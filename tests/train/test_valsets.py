@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pack_subset
 from pipelines import load_pipeline
 from shardtrain.cli.app import build_parser, main
 from shardtrain.cli.train import _val_fields
@@ -62,9 +61,9 @@ def test_cli_repeated_val_data_and_names():
     assert (one.val_data_url, one.val_extra_urls, one.val_names) == ("s3://b/dev", (), ())
 
 
-@pytest.fixture(scope="module")
-def six(speech_corpus, tmp_path_factory) -> str:
-    return pack_subset(speech_corpus, tmp_path_factory.mktemp("six"), 6)
+@pytest.fixture
+def six(six_utts) -> str:
+    return six_utts  # conftest's six packed utterances, shared with the loop, preempt and inference tests
 
 
 def test_unreadable_validation_set_fails_at_start_in_one_line(six, tmp_path, capsys):
