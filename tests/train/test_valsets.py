@@ -61,7 +61,7 @@ def test_cli_repeated_val_data_and_names():
     assert (one.val_data_url, one.val_extra_urls, one.val_names) == ("s3://b/dev", (), ())
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def six(six_utts) -> str:
     return six_utts  # conftest's six packed utterances, shared with the loop, preempt and inference tests
 
