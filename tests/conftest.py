@@ -94,34 +94,39 @@ def shardtrain_cli(*args: str, env: dict | None = None, timeout: float = 300, cw
 
 
 _MANY = """
-import contextlib, io, json, sys
+import contextlib, io, json, sys, time
 from shardtrain.cli import main
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
+    t0 = time.monotonic()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as e:  # argparse's usage errors and --help
             code = e.code if isinstance(e.code, int) else 1
-    results.append([code, out.getvalue(), err.getvalue()])
+    results.append([code, out.getvalue(), err.getvalue(), time.monotonic() - t0])
 print(json.dumps(results))
 """
 
 
-def shardtrain_cli_many(*argvs: list[str], timeout: float = 300, cwd: Path | None = None
+def shardtrain_cli_many(*argvs: list[str], timeout: float = 300, cwd: Path | None = None, env: dict | None = None
                         ) -> list[subprocess.CompletedProcess]:
     """Several commands through `shardtrain.cli.main` in ONE fresh interpreter (torch imported once, not once per
-    command: ~4 s each on 2 busy cores), each with its own stdout/stderr and exit status, as shardtrain_cli's."""
+    command: ~4 s each on 2 busy cores), each with its own stdout/stderr and exit status, as shardtrain_cli's
+    (`env` adds or overrides variables, as there); each result's `wall_s` is its command's time, import aside."""
     import json
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     p = subprocess.run([sys.executable, "-c", _MANY, json.dumps([list(a) for a in argvs])], capture_output=True,
                        text=True, timeout=timeout, cwd=cwd,
-                       env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
     assert p.returncode == 0, p.stderr[-3000:]
-    return [subprocess.CompletedProcess(a, code, out, err) for a, (code, out, err) in
-            zip(argvs, json.loads(p.stdout.strip().splitlines()[-1]))]
+    done = []
+    for a, (code, out, err, wall_s) in zip(argvs, json.loads(p.stdout.strip().splitlines()[-1])):
+        done.append(subprocess.CompletedProcess(a, code, out, err))
+        done[-1].wall_s = wall_s
+    return done
 
 
 def one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
