@@ -27,33 +27,6 @@ EXEMPT = {
 }
 
 ELSEWHERE = {
-    "format/indexread.py": "format/test_trust_format.py",
-    "format/limits.py": "format/test_float_audio.py",
-    "infer/export.py": "infer/test_infer.py",
-    "infer/onnx_runtime.py": "infer/test_checkpoint_model.py",
-    "infer/transcribe.py": "infer/test_infer_inputs.py",
-    "interop/hf.py": "interop/test_interop.py",
-    "interop/lhotse.py": "interop/test_interop.py",
-    "interop/lightning.py": "integration/test_lightning.py",
-    "interop/torchdata.py": "interop/test_interop.py",
-    "load/mapped.py": "load/test_blockloader.py",
-    "load/planner.py": "load/test_planner_seam.py",
-    "pack/nothing.py": "format/test_untrusted.py",
-    "pack/parts.py": "pack/test_scan.py",
-    "pack/layout.py": "pack/test_packer.py",
-    "train/loop.py": "train/test_train.py",
-    "pack/shard_task.py": "pack/test_pack_options.py",
-    "pack/tailcheck.py": "pack/test_pack_speed_parts.py",
-    "pack/transcode.py": "pack/test_sources.py",
-    "pack/verify.py": "format/test_manifest.py",
-    "storage/cache.py": "storage/test_trust_local.py",
-    "storage/private.py": "storage/test_trust_local.py",
-    "testing/indexes.py": "storage/test_trust_local.py",
-    "train/checkpoint.py": "train/test_preempt.py",
-    "train/config.py": "train/test_valsets.py",
-    "train/features.py": "train/test_augment.py",
-    "train/runfiles.py": "train/test_preempt.py",
-    "train/text.py": "train/test_model.py",
 }
 
 

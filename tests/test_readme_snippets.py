@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import shardtrain_cli_many
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -43,12 +45,6 @@ def _env(cwd: Path) -> dict[str, str]:
             "HF_DATASETS_CACHE": str(cwd / ".hf-cache")}
 
 
-def _cli(args: list[str], cwd: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "shardtrain", *args], cwd=cwd, env=_env(cwd), capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, f"shardtrain {' '.join(args)}: {p.stdout[-2000:]}\n{p.stderr[-4000:]}"
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     from shardtrain.pack.packer import PackConfig, pack
@@ -59,12 +55,14 @@ def workdir(tmp_path_factory) -> Path:
         corpus = make_corpus(root / "corpus" / name, durations, seed=seed)
         pack(PackConfig(input=str(corpus), output=str(root / "shards" / name), max_samples_per_shard=6, workers=1,
                         progress=False))
-    _cli(["train", "--data", "shards/train", "--val-data", "shards/dev", "--pipeline", "tiny_cpu",
-          "--max-steps", "2", "--out", "runs/tiny", "--set", "train.ckpt_every_steps=2",
-          "--set", "train.val_every_steps=2", "--set", "train.warmup_steps=1",
-          "--set", "stream.bucket.max_batch_seconds=8", "--set", "model.d_model=32", "--set", "model.num_layers=1",
-          "--set", "model.num_heads=2"], root)
-    _cli(["export", "runs/tiny", "model.onnx"], root)
+    train = ["train", "--data", "shards/train", "--val-data", "shards/dev", "--pipeline", "tiny_cpu",
+             "--max-steps", "2", "--out", "runs/tiny", "--set", "train.ckpt_every_steps=2",
+             "--set", "train.val_every_steps=2", "--set", "train.warmup_steps=1",
+             "--set", "stream.bucket.max_batch_seconds=8", "--set", "model.d_model=32", "--set", "model.num_layers=1",
+             "--set", "model.num_heads=2"]
+    for argv, p in zip((train, ["export", "runs/tiny", "model.onnx"]),
+                       shardtrain_cli_many(train, ["export", "runs/tiny", "model.onnx"], cwd=root)):  # torch once
+        assert p.returncode == 0, f"shardtrain {' '.join(argv)}: {p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     return root
 
 

@@ -1,8 +1,9 @@
 """Issue 22 item 4: a wrong `--data`/DATASET gets the advice that fixes it, and one exit-status convention holds
 across commands (2 usage or invalid input, 1 runtime failure, 130 interrupted), documented in --help.
 
-Every case runs the real CLI in a subprocess, on real folders: a path that does not exist, a corpus of FLAC +
-txt that was never packed, and a pack killed half-way (the fault seam kills the worker writing shard 1).
+Every case runs the real CLI in a fresh interpreter (the error cases all in one: conftest's shardtrain_cli_many),
+on real folders: a path that does not exist, a corpus of FLAC + txt that was never packed, and a pack killed
+half-way (the fault seam kills the worker writing shard 1).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from shardtrain import faults
 from shardtrain.testing.corpus import make_corpus
 
-from conftest import one_error_line as _one_error_line, shardtrain_cli as _cli
+from conftest import one_error_line as _one_error_line, shardtrain_cli as _cli, shardtrain_cli_many as _cli_many
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +33,22 @@ def test_wrong_path_unpacked_corpus_and_pack_in_progress_each_get_their_fix(plac
     """Three situations, three messages, each naming the command that fixes it; the same exit status (2: invalid
     input) from inspect and bench (and train, which exited 1 before)."""
     seen = {}
-    for what, path in places.items():
-        for command in ("inspect", "bench"):
-            p = _cli(command, str(path), *(("--no-progress",) if command == "bench" else ()))
-            assert p.returncode == 2, (what, command, p.returncode, p.stderr[-2000:])
-            line = _one_error_line(p, command)
-            seen.setdefault(what, set()).add(line.split(": error: ", 1)[1])
+    cases = [(what, command) for what in places for command in ("inspect", "bench")]
+    train = ["train", "--data", str(places["missing"]), "--out", str(places["missing"].parent / "run"),
+             "--max-steps", "1"]
+    *runs, p_train = _cli_many(*[[c, str(places[w]), *(("--no-progress",) if c == "bench" else ())]
+                                 for w, c in cases], train)  # one interpreter: the 7 commands import once
+    for (what, command), p in zip(cases, runs):
+        assert p.returncode == 2, (what, command, p.returncode, p.stderr[-2000:])
+        line = _one_error_line(p, command)
+        seen.setdefault(what, set()).add(line.split(": error: ", 1)[1])
     assert all(len(v) == 1 for v in seen.values()), seen  # every command says the same thing
     missing, corpus, half = (next(iter(seen[k])) for k in ("missing", "corpus", "half"))
     assert "check the path" in missing and "re-run" not in missing
     assert f"shardtrain pack {places['corpus']} OUTPUT" in corpus and "unpacked corpus" in corpus
     assert "re-run `shardtrain pack INPUT" in half and "wait" in half and "resumes" in half
     assert len({missing, corpus, half}) == 3
-    p = _cli("train", "--data", str(places["missing"]), "--out", str(places["missing"].parent / "run"),
-             "--max-steps", "1")
-    assert p.returncode == 2 and missing in _one_error_line(p, "train"), p.stderr[-2000:]
+    assert p_train.returncode == 2 and missing in _one_error_line(p_train, "train"), p_train.stderr[-2000:]
 
 
 def test_help_documents_the_exit_statuses_and_usage_errors_exit_2(tmp_path):

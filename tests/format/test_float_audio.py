@@ -1,5 +1,5 @@
-"""format.audio on float sources and format.limits, on real files written with soundfile: levels, NaN/Inf,
-full-scale clipping, and the one set of limits the writer and the readers share."""
+"""format.audio on float sources, on real files written with soundfile: levels, NaN/Inf, full-scale clipping.
+(The limits the writer and the readers share: test_limits.py.)"""
 from __future__ import annotations
 
 import io
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from shardtrain.format import audio, indexread, limits, validate
+from shardtrain.format import audio
 from shardtrain.format.audio import AudioError, decode, decode_into, decoded_frames, float_scan
 
 RATE = 16000
@@ -79,18 +79,3 @@ def test_slow_path_without_memfd_scans_the_same(monkeypatch):
         decoded_frames(_wav(x))
     assert float_scan(_wav(_sine())).frames == RATE and decoded_frames(_wav(_sine(), "PCM_16")) == RATE
 
-
-def test_one_set_of_limits_for_writer_and_readers():
-    assert indexread.MAX_STRING_BYTES is limits.MAX_STRING_BYTES
-    assert (validate.MAX_AUDIO_BYTES, validate.MAX_JSON_BYTES, validate.MAX_DURATION_S) == \
-        (limits.MAX_AUDIO_BYTES, limits.MAX_JSON_BYTES, limits.MAX_DURATION_S)
-    ok = {"text": "hello", "speaker": "s1", "language": "en", "source": "/a.flac"}
-    assert limits.row_problem(ok, 1.0, RATE, 1, 1000, 200) is None
-    cap = limits.MAX_STRING_BYTES["text"]
-    assert limits.row_problem({**ok, "text": "é" * (cap // 2)}, 1.0, RATE, 1) is None  # exactly at the cap
-    assert limits.row_problem({**ok, "text": "é" * (cap // 2 + 1)}, 1.0, RATE, 1)[0] == "text_too_long"
-    assert limits.row_problem({**ok, "speaker": "s" * 1025}, 1.0, RATE, 1)[0] == "field_too_long"
-    assert limits.row_problem(ok, 1.0, RATE, 1, audio_bytes=limits.MAX_AUDIO_BYTES + 1)[0] == "audio_too_large"
-    assert limits.row_problem(ok, 1.0, RATE, 1, json_bytes=limits.MAX_JSON_BYTES + 1)[0] == "field_too_long"
-    assert limits.row_problem(ok, 1.0, limits.MAX_SAMPLE_RATE_HZ + 1, 1)[0] == "unsupported_rate"
-    assert limits.row_problem(ok, limits.MAX_DURATION_S + 1, RATE, 1)[0] == "too_long"

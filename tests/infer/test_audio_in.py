@@ -1,6 +1,6 @@
 """infer/audio_in.py: the audio transcribe/evaluate read, on real files written with soundfile: segments, stereo
 mixed down, byte ranges inside a bigger file, windows that cover the audio exactly once, and each error's reason
-(the commands on crafted audio: tests/infer/test_infer_inputs.py)."""
+(the commands on crafted audio: tests/infer/test_transcribe.py)."""
 from __future__ import annotations
 
 import os

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_block_loader_runs_both_planners_and_reports_variety(tmp_path):
     script = ["-m", "benchmarks.load.bench_block_loader"]
-    res = subprocess.run([sys.executable, *script, "--rows", "30000", "--no-audio", "--ranks-per-node", "2",
+    res = subprocess.run([sys.executable, *script, "--rows", "10000", "--no-audio", "--ranks-per-node", "2",
                           "--world-size", "16", "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -23,7 +23,7 @@ def test_bench_block_loader_runs_both_planners_and_reports_variety(tmp_path):
     assert scale["blocks"]["ranks"] == 2 and scale["blocks"]["node_mb_how"] == "measured"
     assert all(r["steps"] > 0 and r["first_chunk_s"] > 0 and r["map_disk_mb"] > 0 for r in scale.values())
     assert (tmp_path / "w" / "index-map").is_dir()
-    res = subprocess.run([sys.executable, *script, "--variety", "20000", "--variety-world-size", "4",
+    res = subprocess.run([sys.executable, *script, "--variety", "8000", "--variety-world-size", "4",
                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     (row,) = json.loads((tmp_path / "block_variety.json").read_text())["variety"]

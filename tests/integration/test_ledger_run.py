@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import shardtrain_cli_many
 from shardtrain.pack.packer import PackConfig, pack
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,10 @@ def test_killed_resumed_resized_run_trains_every_utterance_once(speech_corpus, t
     _train(None, [data], out, max_steps=4, resume=True)     # 1 rank: steps 3-4 (checkpoint 2 -> 4)
     _train(3, [data], out, max_steps=7, resume=True)        # 3 ranks: the rest of epoch 0, into epoch 1
 
-    code, rep, err = _ledger(out)
+    key = pq.read_table(Path(data) / "index.parquet", columns=["key"]).column("key")[0].as_py()
+    whole, one_key = shardtrain_cli_many(["ledger", str(out), "--json"],  # one interpreter for both reads
+                                         ["ledger", str(out), "--json", "--key", key, "--epoch", "0"])
+    code, rep, err = whole.returncode, json.loads(whole.stdout), whole.stderr
     assert code == 0, err
     assert [(a["start_step"], a["world_size"]) for a in rep["attempts"]] == [(0, 2), (2, 1), (4, 3)]
     # the kill after step 3 (checkpoint 2) wasted step 3 (2 ranks x 1 utterance), trained again
@@ -77,8 +81,7 @@ def test_killed_resumed_resized_run_trains_every_utterance_once(speech_corpus, t
     assert (d["planned"], d["trained"], d["once"], d["never"], d["more_than_once"]) == (12, 12, 12, 0, 0)
     assert any(e["epoch"] == 1 for e in rep["epochs"])
 
-    key = pq.read_table(Path(data) / "index.parquet", columns=["key"]).column("key")[0].as_py()
-    code, rep, _ = _ledger(out, "--key", key, "--epoch", "0")
+    rep = json.loads(one_key.stdout)
     hits = [h for h in rep["keys"][key] if h["epoch"] == 0]
     assert len(hits) == 1 and hits[0]["rank"] in (0, 1, 2)
 

@@ -14,7 +14,6 @@ import pytest
 
 from shardtrain import faults
 from shardtrain.train.checkpoint import list_checkpoints
-from conftest import pack_subset
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +50,8 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def data(speech_corpus, tmp_path_factory) -> str:
-    return pack_subset(speech_corpus, tmp_path_factory.mktemp("six"), 6)
+def data(six_utts) -> str:
+    return six_utts  # conftest's: the first 6 speech utterances, 2 a shard
 
 
 @pytest.fixture(scope="module")

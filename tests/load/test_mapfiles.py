@@ -1,6 +1,6 @@
 """load/mapfiles.py: the memory-mapped index copy's files written from real Arrow row groups and read back as numpy
 maps, and the checks at open that catch a file changed, resized or missing, columns out of order, and a block table
-that disagrees with its columns (the copies in use: tests/load/test_blockloader.py,
+that disagrees with its columns (the copies in use: tests/load/test_mapped.py,
 tests/storage/test_trust_local.py)."""
 from __future__ import annotations
 

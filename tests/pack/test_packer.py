@@ -317,7 +317,6 @@ def test_cli_pack_and_inspect(corpus, tmp_path, capsys):
     assert cli.main(["pack", str(corpus), str(tmp_path / "o2"), "--codec", "opus", "--sample-rate", "22050"]) == 2
 
 
-
 def test_cli_pack_that_accepts_nothing_exits_nonzero(tmp_path, capsys):
     """Every utterance rejected (here while encoding): no dataset is left at OUTPUT, and the command fails with one
     line naming the reasons, an example and a hint."""
@@ -339,22 +338,6 @@ def test_part_boundaries_do_not_change_the_output(corpus, tmp_path):
     assert _dataset_bytes(tmp_path / "a") == _dataset_bytes(tmp_path / "b")
 
 
-def test_columnar_keys_equal_assign_keys():
-    import pyarrow as pa
-
-    from shardtrain.pack.layout import assign_keys_columnar
-
-    def columnar(ids):
-        return assign_keys_columnar(pa.chunked_array([pa.array(ids)]),
-                                    pa.chunked_array([pa.array([sanitize_key(i) for i in ids])])).to_pylist()
-
-    ids = ["a.b/c", "a_b_c", "a/b.c", "ok-1", "x" * 120, "x" * 119 + "y", "", "é", "plain"]
-    assert columnar(ids) == [assign_keys(ids)[i] for i in ids]
-    clash = assign_keys(["a.b", "a/b"])["a.b"]  # "a_b-<sha8>": an id equal to it clashes on the second level
-    ids2 = ["a.b", "a/b", clash]
-    assert columnar(ids2) == [assign_keys(ids2)[i] for i in ids2] and len(set(columnar(ids2))) == 3
-
-
 def test_index_streamed_in_row_groups_equals_index_bytes(monkeypatch, tmp_path):
     from shardtrain.format import manifest as index
     from shardtrain.pack.packer import _IndexRows
@@ -373,36 +356,6 @@ def test_index_streamed_in_row_groups_equals_index_bytes(monkeypatch, tmp_path):
         assert "rows" not in acc.add(marker)
     assert acc.write(4) == 11
     assert (tmp_path / index.INDEX).read_bytes() == index.index_bytes(index.index_table(rows))
-
-
-def _one_shard_task(corpus: Path, out: Path, defer_sync: bool):
-    from shardtrain.pack.probe import probe
-    from shardtrain.pack.shard_task import SampleSpec, ShardTask
-    from shardtrain.pack.sources import Item
-
-    samples = []
-    for i, path in enumerate(sorted(corpus.glob("*.flac"))[:3]):
-        info = probe(str(path))
-        samples.append(SampleSpec(key=f"k{i}", item=Item(id=path.stem, audio=str(path), text="t"), info=info,
-                                     duration_s=info.duration_s, est_bytes=path.stat().st_size))
-    return ShardTask(shard=0, output=str(out), storage_options=None, samples=samples, target=AudioTarget(),
-                     fingerprint="f" * 64, defer_sync=defer_sync)
-
-
-@pytest.mark.parametrize("defer_sync", [False, True])
-def test_done_marker_written_only_by_whoever_syncs_the_shard(corpus, tmp_path, defer_sync):
-    """A pool's shard task leaves the fsync and the done-marker to the driver (publish_marker), so that a marker
-    never exists for a shard that is not yet on disk; a task on its own does both."""
-    from shardtrain.pack.shard_task import marker_name, publish_marker, write_shard
-
-    out = tmp_path / "out"
-    marker = write_shard(_one_shard_task(corpus, out, defer_sync))
-    tar, done = out / marker["info"]["name"], out / "_work" / marker_name(0)
-    assert tar.stat().st_size == marker["info"]["bytes"] and marker["info"]["samples"] == 3
-    assert done.exists() is not defer_sync
-    if defer_sync:
-        publish_marker(str(out), None, marker)
-    assert json.loads(done.read_text()) == json.loads(json.dumps(marker, sort_keys=True))
 
 
 def test_pool_pack_publishes_every_marker_before_commit(corpus, tmp_path, monkeypatch):

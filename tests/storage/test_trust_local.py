@@ -1,18 +1,13 @@
-"""Shared machines and crafted caches (issue 21): private per-user folders checked against a real second user,
-index copies keyed by the index bytes and re-checked when opened, checkpoints that read only their own rank files.
-
-The second user (`strtest`) is created with useradd when the tests run as root; elsewhere those tests are skipped
-with the reason shown. The other process only ever runs `mkdir`/`ln -s` as that user (runuser)."""
+"""Shared machines and crafted caches (issue 21): index copies keyed by the index bytes and re-checked when opened,
+checkpoints that read only their own rank files, one taker of a stale lock. (Private per-user folders against a
+real second user: test_private.py; the shard cache: test_cache.py.)"""
 from __future__ import annotations
 
 import io
 import json
 import logging
 import os
-import shutil
-import stat
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -24,111 +19,10 @@ import torch
 
 from shardtrain.format.manifest import open_dataset
 from shardtrain.load.blockplan import Blocks
-from shardtrain.load.mapped import default_root, mapped_blocks, open_mapped
+from shardtrain.load.mapped import mapped_blocks, open_mapped
 from shardtrain.load.plan import BucketConfig
-from shardtrain.storage.cache import ShardCache
-from shardtrain.storage.private import PrivateDirError, private_dir, user_dir
-from shardtrain.testing.indexes import write_index_dataset
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.world import World
-
-USER = "strtest"
-
-
-@pytest.fixture(scope="module")
-def other_user() -> str:
-    """A real second local account (created once with useradd), or a visible skip where that is impossible."""
-    if os.geteuid() != 0:
-        pytest.skip("a second local user needs root (useradd, runuser); running as uid %d" % os.geteuid())
-    if not (shutil.which("useradd") and shutil.which("runuser")):
-        pytest.skip("useradd/runuser are not installed: no second local user to act as")
-    if subprocess.run(["id", "-u", USER], capture_output=True).returncode != 0:
-        r = subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", USER], capture_output=True, text=True)
-        if r.returncode != 0 and "exists" not in r.stderr:
-            pytest.skip(f"useradd {USER} failed: {r.stderr.strip()}")
-    return USER
-
-
-def as_user(user: str, *cmd: str) -> None:
-    subprocess.run(["runuser", "-u", user, "--", *cmd], check=True, capture_output=True)
-
-
-@pytest.fixture
-def shared():
-    """A sticky world-writable folder like /tmp, reachable by the second user (pytest's tmp_path is not)."""
-    d = Path(tempfile.mkdtemp(prefix="st-shared-", dir="/tmp"))
-    d.chmod(0o1777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def dataset(tmp_path) -> str:
-    return write_index_dataset(tmp_path / "ds", 3000, per_shard=500)
-
-
-def test_a_folder_another_user_made_or_planted_as_a_symlink_is_refused(other_user, shared, tmp_path, dataset):
-    victim = tmp_path / "victim"
-    victim.mkdir()
-    (victim / "precious.txt").write_text("mine")
-    victim.chmod(0o755)
-    tmp_path.chmod(0o755)  # the other user can reach the victim's folder (not write it)
-    as_user(other_user, "mkdir", "-m", "777", str(shared / "squat"))
-    as_user(other_user, "ln", "-s", str(victim), str(shared / "link"))
-
-    with pytest.raises(PrivateDirError, match=r"squat belongs to uid \d+, not to you.*its owner or root must remove"):
-        private_dir(shared / "squat")
-    with pytest.raises(PrivateDirError, match="symbolic link"):
-        ShardCache(str(shared / "link"), 1 << 20)
-    with pytest.raises(PrivateDirError, match=r"link is a symbolic link.*remove the link, or set stream.index_cache"):
-        open_mapped(open_dataset(dataset), str(shared / "link"), text=False)
-    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]  # nothing written, nothing deleted
-    assert (victim / "precious.txt").read_text() == "mine"
-    assert sorted(p.name for p in (shared / "squat").iterdir()) == []
-
-    mine = tmp_path / "group-writable"
-    mine.mkdir()
-    mine.chmod(0o775)
-    with pytest.raises(PrivateDirError, match="writable by other users"):
-        private_dir(mine)
-
-
-def test_default_folders_are_private_and_bypass_a_squatter(other_user, shared, tmp_path, dataset, monkeypatch,
-                                                         caplog):
-    monkeypatch.setattr(tempfile, "tempdir", str(shared))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    root = shared / f"shardtrain-{os.geteuid()}"
-
-    # nobody there: the per-user root is made 0700 and ours; index copies, run mirrors, temp files all live in it
-    for p in (Path(default_root()), ckpt.run_mirror("s3://bucket/run"), user_dir("tmp")):
-        assert p.is_relative_to(root)
-        st = os.lstat(root)
-        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
-    assert ".." not in ckpt.run_mirror("s3://b/../../etc").parts
-
-    # another user squats the name (a folder with a planted index copy) or plants a symlink to the victim's folder:
-    # bypassed for ~/.cache/shardtrain with a warning, the squatted or linked folder never read, written or removed
-    victim = tmp_path / "victim"
-    victim.mkdir()
-    (victim / "precious.txt").write_text("mine")
-    tmp_path.chmod(0o755)
-    victim.chmod(0o777)
-    for plant, why in ((["mkdir", "-m", "777", str(root)], "belongs to uid"),
-                       (["ln", "-s", str(victim), str(root)], "is a symbolic link")):
-        shutil.rmtree(root) if root.is_dir() and not root.is_symlink() else root.unlink(missing_ok=True)
-        as_user(other_user, *plant)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
-            idx_root = default_root()
-        assert Path(idx_root).is_relative_to(tmp_path / "xdg") and why in caplog.text
-        mi = open_mapped(open_dataset(dataset), idx_root, text=False)
-        assert mi.folder.is_relative_to(tmp_path / "xdg")
-        mirror = ckpt.run_mirror("s3://bucket/run")
-        (mirror / "metrics.jsonl").write_text("{}\n")
-        assert mirror.is_relative_to(tmp_path / "xdg")
-        assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
-        assert not root.is_symlink() or os.readlink(root) == str(victim)
-        assert root.is_symlink() or list(root.iterdir()) == []
 
 
 def _edit_index(url: str, edit) -> None:
@@ -137,29 +31,29 @@ def _edit_index(url: str, edit) -> None:
     pq.write_table(edit(t), p, row_group_size=1000, compression="zstd")
 
 
-def test_index_copy_is_keyed_by_the_index_bytes_not_only_the_manifest(dataset, tmp_path):
+def test_index_copy_is_keyed_by_the_index_bytes_not_only_the_manifest(index_dataset, tmp_path):
     cache = tmp_path / "cache"
-    first = open_mapped(open_dataset(dataset), str(cache), text=True)
+    first = open_mapped(open_dataset(index_dataset), str(cache), text=True)
     assert first.idx.string_at("text", 7) == "SOME WORDS"
 
     def retext(t):
         texts = t.column("text").to_pylist()
         texts[7] = "OTHER WORDS"
         return t.set_column(t.column_names.index("text"), "text", pa.array(texts))
-    _edit_index(dataset, retext)  # manifest.json unchanged
-    second = open_mapped(open_dataset(dataset), str(cache), text=True)
+    _edit_index(index_dataset, retext)  # manifest.json unchanged
+    second = open_mapped(open_dataset(index_dataset), str(cache), text=True)
     assert second.folder != first.folder
     assert second.idx.string_at("text", 7) == "OTHER WORDS"
-    assert second.meta["source"]["index_bytes"] == os.path.getsize(Path(dataset) / "index.parquet")
+    assert second.meta["source"]["index_bytes"] == os.path.getsize(Path(index_dataset) / "index.parquet")
 
 
-def test_a_copy_changed_after_it_was_built_is_rebuilt_not_used(dataset, tmp_path, caplog):
+def test_a_copy_changed_after_it_was_built_is_rebuilt_not_used(index_dataset, tmp_path, caplog):
     """A crafted copy (every duration 0.01 s) would put ~100 rows of up to 15 s into a 20 s budget: it is caught
     by the check at open and rebuilt from the index; a crafted block table is caught against the durations."""
     cache = tmp_path / "cache"
-    ds = open_dataset(dataset)
+    ds = open_dataset(index_dataset)
     mi = open_mapped(ds, str(cache), text=False)
-    truth = pq.read_table(Path(dataset) / "index.parquet", columns=["duration_s"]).column(0).to_numpy()
+    truth = pq.read_table(Path(index_dataset) / "index.parquet", columns=["duration_s"]).column(0).to_numpy()
     path = mi.folder / "duration_s.npy"
     arr = np.load(path)
     with open(path, "r+b") as f:  # same size, same header: only the values change
@@ -183,10 +77,10 @@ def test_a_copy_changed_after_it_was_built_is_rebuilt_not_used(dataset, tmp_path
     assert np.array_equal(b.cost, honest.cost) and float(b.cost.max()) > 20.0 / 100
 
 
-def test_open_check_costs_are_within_bounds(dataset, tmp_path):
+def test_open_check_costs_are_within_bounds(index_dataset, tmp_path):
     """The check reads the budget-critical columns in full and samples the rest: a changed byte in a sampled file
     far from the sampled pages is not seen (documented), one in a budget column always is."""
-    mi = open_mapped(open_dataset(dataset), str(tmp_path / "c"), text=True)
+    mi = open_mapped(open_dataset(index_dataset), str(tmp_path / "c"), text=True)
     full = {n for n, (_, _, f) in mi.meta["files"].items() if f}
     assert full == {"duration_s.npy", "num_samples.npy", "channels.npy", "size.npy"}
 
@@ -299,26 +193,3 @@ def test_exactly_one_thread_takes_over_a_stale_s3_lock(s3, s3_bucket):
     url, so = f"{s3_bucket}/out", s3.storage_options
     got = _thread_race(url, so, lambda data: storage.atomic_write_bytes(f"{url}/_pack.lock", data, so), rounds=3)
     assert got == [1] * 3, got
-
-
-def test_shard_cache_keeps_only_copies_whose_sha256_matches_the_manifest(tmp_path):
-    import hashlib
-
-    good = os.urandom(100_000)
-    sha = hashlib.sha256(good).hexdigest()
-    calls = []
-
-    def fetch(data):
-        def pieces():
-            calls.append(1)
-            yield data
-        return pieces
-
-    cache = ShardCache(str(tmp_path / "c"), 1 << 30)
-    bad = bytes(len(good))  # right size, wrong content (a corrupted remote read)
-    assert b"".join(cache.read("s.tar", sha, len(good), fetch(bad), 0, 10)) == bad[:10]  # handed over, counted later
-    assert not os.path.exists(cache.local_path("s.tar", sha))  # but never kept as the cached shard
-    assert b"".join(cache.read("s.tar", sha, len(good), fetch(good), 0, 10)) == good[:10]
-    assert b"".join(cache.read("s.tar", sha, len(good), fetch(good), 5, 20)) == good[5:20]
-    assert len(calls) == 2  # the good copy is kept and reused
-    assert stat.S_IMODE(os.lstat(tmp_path / "c").st_mode) == 0o700

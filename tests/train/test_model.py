@@ -1,4 +1,5 @@
-"""Baseline CTC model and text utilities: shapes, padding invariance, checkpointing, protocol, CER/WER."""
+"""Baseline CTC model: shapes, padding invariance, activation checkpointing, the factory protocol. (Text utilities:
+test_text.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,6 @@ import pytest
 import torch
 
 from shardtrain.train.model import SIZES, CTCModel, ModelConfig, SpeechModel, build_model, num_parameters, subsampled_lengths
-from shardtrain.train.text import CharVocab, edit_distance, encode_batch, error_counts, greedy_decode, tokenizer_from_json
 
 SMALL = ModelConfig(d_model=32, num_layers=2, num_heads=2, conv_kernel=5, dropout=0.0)
 
@@ -72,25 +72,3 @@ def test_user_model_factory_must_follow_protocol():
         build_model(dataclasses.replace(SMALL, factory="torch.nn:Identity"), 10, 20)
     with pytest.raises(ValueError, match="model.num_heads"):
         ModelConfig(d_model=30, num_heads=4)
-
-
-def test_char_vocab_round_trip_and_unknown_chars():
-    v = CharVocab.from_texts(["HELLO  WORLD", "HOW"])
-    assert len(v) == 1 + len(set("HELOWRD "))
-    assert v.decode(v.encode("HELLO WORLD")) == "HELLO WORLD"
-    assert v.decode(v.encode("HEX")) == "HE" and v.unknown_chars == 1
-    assert tokenizer_from_json(v.to_json()).chars == v.chars
-    flat, lens = encode_batch(v, ["HOW", "", "LO"])
-    assert lens.tolist() == [3, 0, 2] and flat.numel() == 5
-
-
-def test_greedy_decode_collapses_repeats_and_blanks():
-    path = torch.tensor([[1, 1, 0, 1, 2, 2, 0, 0, 3, 9]])  # last frame is beyond the length
-    log_probs = torch.nn.functional.one_hot(path, 10).float().log_softmax(-1)
-    assert greedy_decode(log_probs, torch.tensor([9])) == [[1, 1, 2, 3]]
-
-
-def test_edit_distance_and_error_rates_hand_checked():
-    assert edit_distance("kitten", "sitting") == 3
-    c = error_counts(["THE CAT SAT", "A B"], ["THE BAT SAT", "A B C"])
-    assert c == {"char_errors": 1 + 2, "chars": 11 + 3, "word_errors": 1 + 1, "words": 3 + 2}

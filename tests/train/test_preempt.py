@@ -1,13 +1,12 @@
 """A run that survives its cluster, in one process: a real SIGTERM stops it with a checkpoint and the resume is
-exact; one trainer per --out (an expiring lease); checkpoint faults (full disk, truncated file, changed config)
-are one line each and leave the previous checkpoint usable. torchrun and S3 variants:
+exact; checkpoint faults (full disk, truncated file, changed config) are one line each and leave the previous
+checkpoint usable. (One trainer per --out, the lease: test_runfiles.py.) torchrun and S3 variants:
 tests/integration/test_train_preempt.py."""
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -16,28 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines import load_pipeline
-from shardtrain.storage.lock import LEASE_NAME, LockHeld
 from shardtrain.train import checkpoint as ckpt
-from shardtrain.train import runfiles
-from shardtrain.train.loop import train
-from shardtrain.train.overrides import apply_overrides
-from shardtrain.world import World
-from conftest import pack_subset
-from test_train import SMALL, read_metrics
+from conftest import read_metrics, train_small
 
 EXTRA = ["train.log_every_steps=1", "train.ckpt_every_steps=2", "train.val_data_url="]
 
 
-@pytest.fixture(scope="module")
-def six_utts(speech_corpus, tmp_path_factory) -> str:
-    return pack_subset(speech_corpus, tmp_path_factory.mktemp("six"), 6)
-
-
 def run(data: str, out: Path, steps: int, *overrides: str, resume: bool = False) -> dict:
-    cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + EXTRA + [
-        f"train.data_url={data}", f"train.out_dir={out}", f"train.max_steps={steps}", *overrides])
-    return train(cfg, World(), resume=resume)
+    return train_small(data, out, steps, *EXTRA, *overrides, resume=resume)
 
 
 def signal_at_step(out: Path, step: int, sig: int = signal.SIGTERM) -> threading.Thread:
@@ -82,26 +67,6 @@ def test_preemption_off_switch_and_bad_signal_names(six_utts, tmp_path):
         assert not res.get("preempted") and signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL
     finally:
         signal.signal(signal.SIGUSR1, before)
-
-
-def test_second_trainer_is_refused_naming_the_holder_and_an_expired_lease_is_taken_over(six_utts, tmp_path, caplog):
-    out = tmp_path / "run"
-    holder = runfiles.RunLease(str(out), 60.0, None)
-    try:
-        with pytest.raises(LockHeld, match=rf"pid {os.getpid()} on host '{socket.gethostname()}', since '20"):
-            run(six_utts, out, 2)
-    finally:
-        holder.release()
-    assert not (out / LEASE_NAME).exists()
-    # a holder on another node that died without releasing: refused until its lease expires, then taken over
-    dead = {"host": "node-b", "pid": 1, "purpose": "trainer", "token": "f" * 32, "time_utc": "2026-01-01T00:00:00Z",
-            "ttl_s": 60.0, "expires_unix": time.time() + 60}
-    (out / LEASE_NAME).write_text(json.dumps(dead))
-    with pytest.raises(LockHeld, match="node-b.*lease expires in"):
-        run(six_utts, out, 2)
-    (out / LEASE_NAME).write_text(json.dumps({**dead, "expires_unix": time.time() - 1}))
-    assert run(six_utts, out, 2)["step"] == 2
-    assert "lease expired" in caplog.text and not (out / LEASE_NAME).exists()  # released at exit
 
 
 def test_truncated_newest_checkpoint_is_named_and_the_previous_one_used(six_utts, tmp_path, caplog):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pack_subset
 from pipelines import load_pipeline
 from shardtrain.cli.app import build_parser, main
 from shardtrain.cli.train import _val_fields
@@ -23,7 +22,7 @@ from shardtrain.train.overrides import apply_overrides
 from shardtrain.train.valsets import derive_names, split_named, val_sets
 from shardtrain.world import World
 
-# as tests/train/test_train.py: a 0.6M-parameter model, every batch = all six training utterances, no augmentation
+# as tests/train/test_loop.py: a 0.6M-parameter model, every batch = all six training utterances, no augmentation
 SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.augment=false", "train.lr=3e-3",
          "train.warmup_steps=3", "stream.bucket.max_batch_seconds=30", "stream.bucket.num_buckets=1",
          "train.tensorboard=false", "train.progress=false", "train.cpu_threads=1"]
@@ -63,8 +62,8 @@ def test_cli_repeated_val_data_and_names():
 
 
 @pytest.fixture(scope="module")
-def six(speech_corpus, tmp_path_factory) -> str:
-    return pack_subset(speech_corpus, tmp_path_factory.mktemp("six"), 6)
+def six(six_utts) -> str:
+    return six_utts  # conftest's six packed utterances, shared with the loop, preempt and inference tests
 
 
 def test_unreadable_validation_set_fails_at_start_in_one_line(six, tmp_path, capsys):

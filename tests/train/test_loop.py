@@ -1,65 +1,30 @@
-"""Trainer: overrides, overfitting real speech, bit-exact resume, empty batches, atomic checkpoints.
+"""train/loop.py, the training process: overrides, overfitting real speech, bit-exact resume after a crash, empty
+batches. (Atomic checkpoints: test_checkpoint.py.)
 
 Everything runs in one process on the CPU against a real packed dataset (espeak-ng speech packed with the real
-packer). Multi-process (torchrun) checks live in tests/integration/test_train_torchrun.py.
+packer; conftest's six_utts). Multi-process (torchrun) checks live in tests/integration/test_train_torchrun.py.
 """
 from __future__ import annotations
 
 import json
 import math
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import OVERFIT_STEPS, read_metrics, train_small
 from pipelines import load_pipeline
 from shardtrain import faults
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.overrides import apply_overrides
-from shardtrain.pack.packer import PackConfig, pack
 from shardtrain.load.reader import StreamError
-from shardtrain.train.loop import train
-from shardtrain.world import World
-
-# A 0.6M-parameter model, no augmentation/dropout unless a test turns them on, every batch = all utterances.
-SMALL = ["model.d_model=96", "model.num_layers=2", "model.dropout=0", "train.augment=false", "train.lr=3e-3",
-         "train.warmup_steps=20", "stream.bucket.max_batch_seconds=30", "stream.bucket.num_buckets=1",
-         "train.tensorboard=false", "train.progress=false", "train.cpu_threads=1"]
-
-
-def pack_subset(corpus: Path, out: Path, n: int) -> str:
-    """The first `n` utterances of a synth corpus, packed with the real packer into 2-sample shards."""
-    rows = (corpus / "manifest.tsv").read_text().splitlines()
-    header, body = rows[0], rows[1 : n + 1]
-    out.mkdir(parents=True, exist_ok=True)
-    tsv = out / "subset.tsv"
-    tsv.write_text("\n".join([header] + [str(corpus / r.split("\t")[0]) + "\t" + r.split("\t", 1)[1]
-                                         for r in body]) + "\n")
-    pack(PackConfig(input=str(tsv), output=str(out / "shards"), max_samples_per_shard=2, progress=False))
-    return str(out / "shards")
-
-
-@pytest.fixture(scope="module")
-def six_utts(speech_corpus, tmp_path_factory) -> str:
-    return pack_subset(speech_corpus, tmp_path_factory.mktemp("six"), 6)
 
 
 def run(data: str, out: Path, steps: int, *overrides: str, resume: bool = False, val: bool = True) -> dict:
-    cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + [
-        f"train.data_url={data}", f"train.val_data_url={data if val else ''}", f"train.out_dir={out}",
-        f"train.max_steps={steps}", *overrides])
-    return train(cfg, World(), resume=resume)
-
-
-def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+    return train_small(data, out, steps, f"train.val_data_url={data if val else ''}", *overrides, resume=resume)
 
 
 def test_overrides_coerce_by_type_and_name_valid_keys():
@@ -75,16 +40,18 @@ def test_overrides_coerce_by_type_and_name_valid_keys():
         apply_overrides(cfg, ["train.max_steps=0"])
 
 
-def test_tiny_model_overfits_a_handful_of_utterances(six_utts, tmp_path):
-    res = run(six_utts, tmp_path, 100, "train.log_every_steps=5", "train.val_every_steps=0")
-    losses, vals = read_metrics(tmp_path)
+def test_tiny_model_overfits_a_handful_of_utterances(overfit_run):
+    """The shared run (conftest's overfit_run): 100 steps on six_utts, validated on them, metrics every 5 steps."""
+    out, res = overfit_run
+    assert OVERFIT_STEPS == 100
+    losses, vals = read_metrics(out)
     first, final = losses[0]["loss"], losses[-1]["loss"]
     assert final < first / 20, (first, final)  # stated factor: 20x (typically ~3.0 -> <0.05)
     assert vals[-1]["cer"] <= 0.02 and res["cer"] == vals[-1]["cer"]
     exact = [ref == hyp for ref, hyp in res["val_examples"]]
     assert sum(exact) >= len(exact) - 1, res["val_examples"]  # greedy decoding recovers the transcripts
-    assert (tmp_path / "config.json").is_file() and (tmp_path / "checkpoints" / "step_000100").is_dir()
-    assert json.loads((tmp_path / "config.json").read_text())["model"]["d_model"] == 96
+    assert (out / "config.json").is_file() and (out / "checkpoints" / "step_000100").is_dir()
+    assert json.loads((out / "config.json").read_text())["model"]["d_model"] == 96
 
 
 def test_resume_reproduces_uninterrupted_losses_exactly(six_utts, tmp_path, monkeypatch):
@@ -136,62 +103,3 @@ def test_empty_steps_do_not_advance_and_all_empty_data_stops(six_utts, tmp_path,
     with pytest.raises(StreamError, match="batches in a row with no sample"):
         run(str(data), tmp_path / "run3", 8, *one, "stream.max_skipped_share=1", val=False)
     assert not (tmp_path / "run3" / "checkpoints").exists() or not list((tmp_path / "run3/checkpoints").iterdir())
-
-
-def _save(root: Path, step: int, numel: int = 1 << 20) -> None:
-    parts = ckpt.CheckpointParts(step=step, rank_state={"loader_state": "{}"}, main_state={"step": step},
-                                 model_state={"w": torch.full((numel,), float(step))}, meta={"val_loss": None})
-    ckpt.save_checkpoint(root, parts, world=World(), keep_last=2)
-
-
-def test_crash_during_save_leaves_previous_checkpoints(tmp_path, monkeypatch):
-    _save(tmp_path, 1)
-    real = ckpt._save
-
-    def failing(obj, path):
-        if path.name == "model.pt":
-            raise OSError("disk full (injected)")
-        real(obj, path)
-
-    monkeypatch.setattr(ckpt, "_save", failing)
-    with pytest.raises(ckpt.CheckpointWriteError, match=r"step_000002 not written \(rank 0\): OSError: disk full "
-                       r"\(injected\).*latest checkpoint is still step_000001"):
-        _save(tmp_path, 2)
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1]
-    assert not (tmp_path / ".tmp-step_000002").exists()  # the half-written set is removed
-    monkeypatch.setattr(ckpt, "_save", real)
-    _save(tmp_path, 3)
-    _save(tmp_path, 4)
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]  # keep_last=2
-    assert not list(tmp_path.glob(".tmp-*"))
-
-
-KILL_SCRIPT = """
-import sys
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-from test_train import _save
-from shardtrain.train.checkpoint import latest_checkpoint, read_meta
-root = Path({root!r})
-last = latest_checkpoint(root)
-step = read_meta(last)["step"] + 1 if last else 1
-print("ready", flush=True)
-while True:
-    _save(root, step, numel=4 << 20)
-    step += 1
-"""
-
-
-def test_sigkill_during_saves_never_leaves_a_visible_partial_checkpoint(tmp_path):
-    script = KILL_SCRIPT.format(tests=str(Path(__file__).resolve().parent), root=str(tmp_path))
-    for delay_s in (0.7, 1.3):
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay_s)  # mid-way through some save of a 16 MB tensor
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        listed = ckpt.list_checkpoints(tmp_path)
-        assert listed, "no checkpoint committed before the kill"
-        for step, path in listed:
-            state = ckpt.load_checkpoint(path, rank=0, world_size=1)
-            assert state["main"]["step"] == step and torch.equal(state["model"]["w"], torch.full((4 << 20,), float(step)))
