@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import os
 import sys
 import threading
 import weakref
@@ -98,25 +99,104 @@ _MADVISE = _madvise()
 PAGE = mmap.PAGESIZE
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _ProcessMadvise:
+    """process_madvise(2) on this process: many ranges, one system call, and since Linux 6.16 one TLB flush for
+    all of them (madvise flushes once per call, and each flush interrupts every other core running this process:
+    with two decode threads on two cores, ~4,000 interrupts an epoch of the 4k benchmark corpus, one per row).
+    MADV_DONTNEED through it needs Linux >= 6.13; on anything older (EINVAL), under a seccomp filter (ENOSYS,
+    EPERM) or off Linux it turns itself off at the first refusal and the ranges go through madvise one by one."""
+
+    SYSCALL = 440
+    """process_madvise: the same number on every architecture (added with the unified syscall table)."""
+    PIDFD_SELF = -10000
+    """The calling process, without a pidfd (Linux >= 6.14); before that, a pidfd of our own pid."""
+
+    def __init__(self) -> None:
+        self.on = _MADVISE is not None
+        self._self_ok = True  # PIDFD_SELF understood (else a pidfd of our own)
+        self._syscall = None
+        self._pidfd: tuple[int, int] | None = None  # (pid, fd): a fork's child must never advise its parent
+
+    def __call__(self, pages: list[tuple[int, int]]) -> bool:
+        """Release (address, length) pages in one call; False when the caller must madvise them itself."""
+        if not self.on:
+            return False
+        if self._syscall is None:
+            self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+            self._syscall.restype = ctypes.c_long
+        iov = (_IoVec * len(pages))(*pages)
+        want = sum(n for _, n in pages)
+        while True:
+            pidfd = self.PIDFD_SELF if self._self_ok else self._own_pidfd()
+            if pidfd is None:
+                return False
+            got = self._syscall(ctypes.c_long(self.SYSCALL), ctypes.c_long(pidfd), iov, ctypes.c_size_t(len(pages)),
+                                ctypes.c_int(mmap.MADV_DONTNEED), ctypes.c_uint(0))
+            if got == want:
+                return True
+            if got < 0 and ctypes.get_errno() == errno.EBADF and self._self_ok:  # a kernel before PIDFD_SELF
+                self._self_ok = False
+                continue
+            if got < 0:  # refused (EINVAL before 6.13, ENOSYS/EPERM under seccomp): madvise from now on
+                self.on = False
+            return False  # partly done: the caller madvises every range again (harmless)
+
+    def _own_pidfd(self) -> int | None:
+        pid = os.getpid()
+        if self._pidfd is None or self._pidfd[0] != pid:
+            try:
+                self._pidfd = (pid, os.pidfd_open(pid))
+            except (AttributeError, OSError):
+                self.on = False
+                return None
+        return self._pidfd[1]
+
+
+_PROCESS_MADVISE = _ProcessMadvise()
+
+
 def release_pages(block: np.ndarray, start: int, end: int) -> None:
     """Give the kernel back the whole pages inside bytes [start, end) of `block` (a uint8 array from `take`,
     whose memory is a private anonymous map): they leave RSS now and read as zeros after. What for: a run of
     shard bytes (reader.py) lives until its last row is decoded, and rows are decoded batch by batch, not in
     file order, so a run would stay whole until the end of its chunk: releasing each row's audio once decoded
-    keeps two chunks' runs from adding up (peak RSS on the 4k benchmark corpora ~-10 MB). Cost: one madvise
-    a row (a few us, no GIL), and pages that are freed now instead of at unmap. A no-op off Linux."""
+    keeps two chunks' runs from adding up (peak RSS on the 4k benchmark corpora ~-5 to -10 MB). A no-op off
+    Linux."""
+    release_spans(block.ctypes.data, [(start, end)])
+
+
+def release_spans(addr: int, spans: list[tuple[int, int]]) -> None:
+    """`release_pages` of several [start, end) ranges of the block at `addr` (`block.ctypes.data`: ~1 us to ask
+    for, so a decode task asks once for its rows) in one system call (`_ProcessMadvise`). Cost: the zap and the
+    page frees (moved from unmap to here), and a TLB flush of the other cores running this process per call.
+    A no-op off Linux."""
     if _MADVISE is None:
         return
-    addr = block.ctypes.data
-    lo, hi = -(-(addr + start) // PAGE) * PAGE, (addr + end) // PAGE * PAGE
-    if hi > lo:
-        _MADVISE(lo, hi - lo, mmap.MADV_DONTNEED)
+    pages = []
+    for start, end in spans:
+        lo, hi = -(-(addr + start) // PAGE) * PAGE, (addr + end) // PAGE * PAGE
+        if hi > lo:
+            pages.append((lo, hi - lo))
+    if len(pages) > 1 and _PROCESS_MADVISE(pages):
+        return
+    for lo, n in pages:
+        _MADVISE(lo, n, mmap.MADV_DONTNEED)
 
 
 def _new_block(nbytes: int, rows: int, cols: int, dt: np.dtype) -> np.ndarray:
     """`nbytes` of fresh private memory (zero pages until written), returned to the system when the last array
     over it dies. Out of memory (a `ulimit -v` or a container limit) is one line naming the allocation and the
-    knobs that shrink it (`_no_memory`), still an OSError(ENOMEM)."""
+    knobs that shrink it (`_no_memory`), still an OSError(ENOMEM).
+
+    4 KB pages, not transparent huge ones (MADV_HUGEPAGE was measured): one fault per 2 MiB instead of 512 cut
+    the loader's page faults ~110k -> ~72k an epoch of the 4k speech corpus, but the padding zeroed at `take`
+    touches every 2 MiB of a fresh batch block at once, so the block is resident before its rows are decoded
+    (peak RSS +1.6-2.2 MB, past the 650 MB goal); and a run's huge page released a row at a time is freed only
+    once all of it is, though RSS stops counting it."""
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     try:
         if not flags:  # Windows: no flags; malloc it

@@ -31,7 +31,7 @@ from shardtrain.format.codecs import CODECS
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.tar import BLOCK, KEY_RE, parse_header
 from shardtrain.format.validate import MAX_JSON_BYTES, show
-from shardtrain.load.buffers import BatchBuffers, release_pages
+from shardtrain.load.buffers import BatchBuffers, release_spans
 from shardtrain.load.errors import StreamError
 from shardtrain.load.plan import CHECK_COLUMNS, PLAN_COLUMNS, RUN_GAP_BYTES, Chunk, PlanIndex
 from shardtrain.load.pool import OldestFirstPool
@@ -164,7 +164,7 @@ class ChunkReader:
         """Bytes of the runs being read and decoded: mapped per run and unmapped once its rows are decoded. Runs
         are 1-10 MB and rarely fit a kept block (45 of 58 fresh with one kept); kept, idle run blocks were ~10 MB
         of the 6k benchmark corpus's peak RSS (703 -> 689-694 MB). Their page faults happen in the read thread's
-        kernel copy, not in the decoder (~0.05 s of CPU an epoch)."""
+        kernel copy, not in the decoder (~60k an epoch of the 4k speech corpus)."""
         self.io_pool = ThreadPoolExecutor(cfg.prefetch_chunks, thread_name_prefix="read")
         self.pins: dict = {}
         """Each shard's version as first read (S3 ETag, local inode/size/mtime): every later read is held to it."""
@@ -350,13 +350,17 @@ class ChunkReader:
     def _decode_rows(self, buf: memoryview, base: int, have: int, rows: list, track: "_Tracker") -> None:
         """One decode task: rows (row, (batch, lazy batch, slot), check verdict) whose bytes are all in `buf`;
         each result goes to `track`, which hands a batch over once its last row is in. A decoded row's audio
-        bytes are needed no more: their pages go back to the kernel (buffers.release_pages)."""
-        run = np.frombuffer(buf, np.uint8)
-        for r, (b, lazy, i), chk in rows:
-            result = self._decode(buf, base, have, r, lazy.row(i, self.buffers), chk)
-            a0 = int(self.idx.audio_offset[r]) - base
-            release_pages(run, a0, a0 + int(self.idx.audio_size[r]))
-            track.put(b, r, result)
+        bytes are needed no more: their pages go back to the kernel when the task ends, all the task's rows in
+        one system call (buffers.release_spans: its TLB flush interrupts the other decode threads' cores)."""
+        done = []
+        try:
+            for r, (b, lazy, i), chk in rows:
+                result = self._decode(buf, base, have, r, lazy.row(i, self.buffers), chk)
+                a0 = int(self.idx.audio_offset[r]) - base
+                done.append((a0, a0 + int(self.idx.audio_size[r])))
+                track.put(b, r, result)
+        finally:  # one system call for the task's rows: one TLB flush of the other cores, not one a row
+            release_spans(np.frombuffer(buf, np.uint8).ctypes.data, done)
 
     def load(self, chunk: Chunk, epoch: int, first_step: int, skip_batches: int, order: int = 0) -> ChunkBatches:
         """`start`, then every batch gathered into one ChunkBatches (read_members; the loader takes batches one

@@ -105,3 +105,26 @@ def test_released_pages_read_as_zeros_and_the_rest_is_kept():
     assert (run[PAGE:5 * PAGE] == 0).all()
     release_pages(run, 6 * PAGE + 1, 7 * PAGE - 1)  # no whole page inside: nothing released
     assert (run[5 * PAGE:] == 7).all()
+
+
+def test_spans_released_in_one_call_or_one_by_one_leave_the_same_bytes():
+    """release_spans: the whole pages inside each range read as zeros, every other byte is kept, whether the
+    ranges go in one process_madvise (Linux >= 6.13) or, where that is refused, through madvise one by one."""
+    from shardtrain.load import buffers
+    from shardtrain.load.buffers import PAGE, release_spans
+
+    spans = [(100, 3 * PAGE + 5), (5 * PAGE, 7 * PAGE), (9 * PAGE + 1, 10 * PAGE - 1), (11 * PAGE, 12 * PAGE + 9)]
+    expect = np.full(16 * PAGE, 7, np.uint8)
+    for lo, hi in ((PAGE, 3 * PAGE), (5 * PAGE, 7 * PAGE), (11 * PAGE, 12 * PAGE)):
+        expect[lo:hi] = 0
+    was = buffers._PROCESS_MADVISE.on
+    try:
+        for one_call in (True, False):
+            buffers._PROCESS_MADVISE.on = one_call and was
+            pool = BatchBuffers(keep=0)
+            run = pool.take(1, 16 * PAGE, np.uint8)[0]
+            run[:] = 7
+            release_spans(run.ctypes.data, spans)
+            assert np.array_equal(run, expect), one_call
+    finally:
+        buffers._PROCESS_MADVISE.on = was
