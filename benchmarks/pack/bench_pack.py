@@ -15,8 +15,8 @@ same corpus, same interleaved run.
        the 1-minute load average at each round's start and end. JSON (stdout, and --out) + a table.
 
 Every tool writes to a fresh folder on local disk; wall time includes each tool's own metadata work; library imports
-happen before any timing (so pack's one-time pandas import, which pyarrow does lazily and lhotse does not do, is not
-in its wall here; a CLI run pays it while the pool works). On a shared machine only the ratios within one round mean
+happen before any timing (pack itself imports no pandas: its index is built from Arrow buffers, so pyarrow's lazy
+pandas import never happens; tests/cli/test_app.py). On a shared machine only the ratios within one round mean
 anything.
 Run (the figures in the README):
 
@@ -238,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     import lhotse  # noqa: F401  - import cost (torch) is paid here, outside every timed section
-    import pandas  # noqa: F401  - what pyarrow's first pa.array imports (lhotse does not): ~0.5-1 s of CPU
     import webdataset  # noqa: F401
 
     import shardtrain.pack.transcode  # noqa: F401

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardtrain import storage
+from shardtrain.format.arrownp import column_arrow
 from shardtrain.format.indexread import check_footer, dictionary_columns, read_bounded
 from shardtrain.format.validate import (RELATED_COLUMNS, DatasetError, check_index, check_manifest, parse_manifest,
                                         show)
@@ -193,8 +194,8 @@ LibriSpeech-length transcripts), so this bounds its driver memory; readers proje
 
 def index_table(rows: list[dict]) -> pa.Table:
     """Rows (dicts with INDEX_SCHEMA's names) to a typed table; missing nullable fields become null."""
-    cols = {name: [r.get(name) for r in rows] for name in INDEX_SCHEMA.names}
-    return pa.table(cols, schema=INDEX_SCHEMA)
+    cols = [column_arrow([r.get(f.name) for r in rows], f.type) for f in INDEX_SCHEMA]
+    return pa.table(cols, schema=INDEX_SCHEMA)  # Arrow columns, so pyarrow does not import pandas
 
 
 def index_bytes(table: pa.Table) -> bytes:

@@ -138,9 +138,6 @@ class LocalEngine:
         self._pool: ProcessPoolExecutor | None = None
         self._up: threading.Event | None = None
         """Set once every pool worker has run a task (start_workers); None: not started in the background."""
-        self.driver_idle = threading.Event()
-        """Set once this process stops scanning parts itself (`scan`: the pool took over, or the input ended, or
-        it failed): from then on it mostly waits, and work that competes with its scan for the GIL can run."""
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -213,18 +210,15 @@ class LocalEngine:
             on_part(scan)
 
         it = iter(parts)
-        try:
-            if self.workers == 1:
-                for part in it:
-                    take(scan_part(cfg, part))
+        if self.workers == 1:
+            for part in it:
+                take(scan_part(cfg, part))
+            return scans
+        while self._up is not None and not self._up.is_set():
+            nxt = next(it, None)
+            if nxt is None:
                 return scans
-            while self._up is not None and not self._up.is_set():
-                nxt = next(it, None)
-                if nxt is None:
-                    return scans
-                take(scan_part(cfg, nxt))
-        finally:
-            self.driver_idle.set()
+            take(scan_part(cfg, nxt))
         log.debug("scanned %d parts in the driver while the pool started", len(scans))
         for result in self._bounded(_scan_task, ((cfg, p) for p in it), "scanning the input"):
             take(result)

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardtrain.format import manifest as index
+from shardtrain.format.arrownp import arrow_of, bool_arrow, numpy_of, string_arrow
 from shardtrain.pack.keys import _sha8, assign_keys
 from shardtrain.pack.scan import DIGEST_BYTES, PartScan
 from shardtrain.pack.shard_task import PackError
@@ -92,9 +93,9 @@ def _duplicates(ids: pa.ChunkedArray) -> np.ndarray:
     dup = np.zeros(n, bool)
     if n < 2:
         return dup
-    order = pc.sort_indices(ids).to_numpy()  # stable: equal ids stay in input order
-    s = ids.take(order)
-    same = pc.equal(s.slice(1), s.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    order = numpy_of(pc.sort_indices(ids))  # stable: equal ids stay in input order
+    s = ids.take(arrow_of(order))
+    same = numpy_of(pc.equal(s.slice(1), s.slice(0, n - 1)))
     dup[order[1:][same]] = True
     return dup
 
@@ -104,9 +105,9 @@ def _adjacent_equal(values: pa.ChunkedArray | pa.Array) -> np.ndarray:
     n = len(values)
     if n < 2:
         return np.zeros(0, np.int64)
-    order = pc.sort_indices(values).to_numpy()
-    s = values.take(order)
-    same = pc.equal(s.slice(1), s.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    order = numpy_of(pc.sort_indices(values))
+    s = values.take(arrow_of(order))
+    same = numpy_of(pc.equal(s.slice(1), s.slice(0, n - 1)))
     return np.unique(np.concatenate([order[1:][same], order[:-1][same]]))
 
 
@@ -119,14 +120,14 @@ def assign_keys_columnar(ids: pa.ChunkedArray, sanitized: pa.ChunkedArray) -> pa
     if len(clash):
         mask = np.zeros(len(keys), bool)
         mask[clash] = True
-        clash_ids = ids.take(pa.array(clash)).to_pylist()
-        clash_keys = keys.take(pa.array(clash)).to_pylist()
+        clash_ids = ids.take(arrow_of(clash)).to_pylist()
+        clash_keys = keys.take(arrow_of(clash)).to_pylist()
         new = [k if i == k else k[:71] + "-" + _sha8(i) for i, k in zip(clash_ids, clash_keys)]
-        keys = pc.replace_with_mask(keys, pa.array(mask), pa.array(new, pa.string()))
+        keys = pc.replace_with_mask(keys, bool_arrow(mask), string_arrow(new))
         if len(_adjacent_equal(keys)):
             all_ids = ids.to_pylist()
             table = assign_keys(all_ids)
-            keys = pa.array([table[i] for i in all_ids], pa.string())
+            keys = string_arrow([table[i] for i in all_ids])
     return keys
 
 
@@ -197,11 +198,11 @@ def lay_out(cfg, scans: list[PartScan], path_of: Callable[[int, int], str]) -> L
     scans.clear()
 
     kept = np.flatnonzero(~dup)
-    keys = pa.array([], pa.string())
+    keys = string_arrow([])
     if len(kept) == len(dup) and len(kept):  # no duplicates: no copies
         keys = assign_keys_columnar(ids, sanitized)
     elif len(kept):
-        sel = pa.array(kept)
+        sel = arrow_of(kept)
         keys = assign_keys_columnar(ids.take(sel), sanitized.take(sel))
     del ids, sanitized
     key_of = np.full(len(dup), -1, np.int64)
@@ -212,14 +213,14 @@ def lay_out(cfg, scans: list[PartScan], path_of: Callable[[int, int], str]) -> L
 
     acc = np.flatnonzero(ok.astype(bool) & ~dup)
     del dup, ok
-    acc_keys = keys.take(pa.array(key_of[acc])) if len(acc) < len(keys) else keys
+    acc_keys = keys.take(arrow_of(key_of[acc])) if len(acc) < len(keys) else keys
     del key_of, keys
     key_rank = np.empty(len(acc), np.int64)  # (duration_s, key) order: numpy lexsort on (rank of key, duration)
-    key_rank[pc.sort_indices(acc_keys).to_numpy()] = np.arange(len(acc))
+    key_rank[numpy_of(pc.sort_indices(acc_keys))] = np.arange(len(acc))
     by = np.lexsort((key_rank, dur[acc]))
     del key_rank, dur
     order = acc[by]
-    sorted_keys = acc_keys.take(pa.array(by)) if len(by) else acc_keys
+    sorted_keys = acc_keys.take(arrow_of(by)) if len(by) else acc_keys
     del acc_keys, acc, by
     cuts = cut_shards(est[order], int(cfg.target_shard_mb * (1 << 20)), cfg.max_samples_per_shard)
     del est

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -183,18 +182,6 @@ class _IndexRows:
         return rows
 
 
-def _warm_arrow(after: threading.Event) -> None:
-    """pyarrow imports pandas on its first `pa.array` (~1 s of CPU, ~2 s on a loaded machine); the driver needs it
-    for the layout and the index. Run while the pool workers scan (the driver only waits then), it is off the
-    critical path instead of delaying the layout. Not before `after` (LocalEngine.driver_idle): an import holds
-    the GIL for long stretches, and run beside the driver's own scan of the first parts it tripled that scan
-    (a 2,000-file folder: ~1 s instead of ~0.3 s, measured here), which is what hands the pool its first parts."""
-    import pyarrow as pa
-
-    after.wait()
-    pa.array([0])
-
-
 def _engine(cfg: PackConfig):
     from shardtrain.pack.engine import LocalEngine, RayEngine
 
@@ -288,7 +275,6 @@ def _pack(cfg: PackConfig, engine, progress: _Progress, source_format: str) -> P
                        split=cfg.split, audio_column=cfg.audio_column, delimiter=cfg.delimiter)
     if cfg.engine == "local" and cfg.workers > 1:
         engine.start_workers()  # their start (~0.8 s) overlaps the input listing
-        threading.Thread(target=_warm_arrow, args=(engine.driver_idle,), name="warm-arrow", daemon=True).start()
     scans = engine.scan(cfg, parts, progress.scanned)
     scan_s = time.perf_counter() - t0
     layout = lay_out(cfg, scans, engine.path_of)

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardtrain import storage
+from shardtrain.format.arrownp import string_arrow
 from shardtrain.format.codecs import ENCODE_RATIO
 from shardtrain.pack.itemcheck import item_problem
 from shardtrain.pack.keys import sanitize_key
@@ -50,8 +51,8 @@ class PartScan:
     """(position in the part, reject row): source rejects and empty transcripts."""
     pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     """Position in the part of each candidate (an item with a non-empty transcript)."""
-    ids: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
-    keys: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
+    ids: pa.Array = field(default_factory=lambda: string_arrow([]))
+    keys: pa.Array = field(default_factory=lambda: string_arrow([]))
     """sanitize_key(id); layout.assign_keys resolves collisions across the whole input."""
     ok: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     late: dict[int, dict] = field(default_factory=dict)
@@ -59,16 +60,6 @@ class PartScan:
     duration_s: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     est_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     digest: np.ndarray = field(default_factory=lambda: np.zeros(0, f"S{DIGEST_BYTES}"))
-
-
-def string_array(values: list[str]) -> pa.Array:
-    """An Arrow string array built from its buffers. Same array as `pa.array(values, pa.string())`, but pa.array
-    imports pandas on its first call (~1-2 s of CPU in every fresh process: each pool worker that scans would pay
-    it, for nothing)."""
-    raw = [v.encode("utf-8") for v in values]
-    offsets = np.zeros(len(raw) + 1, np.int32)
-    np.cumsum([len(b) for b in raw], out=offsets[1:])
-    return pa.StringArray.from_buffers(len(raw), pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"".join(raw)))
 
 
 def _kept(cfg: PackConfig, info) -> bool:
@@ -229,6 +220,6 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
                                   stamp)
         records.append((item, info, duration_s, e))
     scan = PartScan(index=part.index, items=n, early=early, pos=np.asarray(positions, np.int32),
-                    ids=string_array([c.id for c in cands]), keys=string_array([sanitize_key(c.id) for c in cands]),
+                    ids=string_arrow([c.id for c in cands]), keys=string_arrow([sanitize_key(c.id) for c in cands]),
                     ok=ok, late=late, duration_s=dur, est_bytes=est, digest=digest)
     return scan, records

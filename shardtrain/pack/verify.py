@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from shardtrain import storage
+from shardtrain.format.arrownp import numpy_of
 from shardtrain.format.manifest import Dataset
 from shardtrain.format.tar import BLOCK, iter_tar_members, parse_header
 from shardtrain.format.validate import show
@@ -116,7 +117,7 @@ def inspect(ds: Dataset) -> dict:
     duration/format/speaker/text columns and rejects.jsonl."""
     m = ds.manifest
     t = ds.read_index(["duration_s", "codec", "sample_rate_hz", "channels", "speaker", "text"])
-    durations = t.column("duration_s").to_numpy()
+    durations = numpy_of(t.column("duration_s"))
     speaker_col = t.column("speaker").to_pylist()
     speakers = {s for s in speaker_col if s is not None}
     totals = dict(m["totals"])

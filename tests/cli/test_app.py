@@ -51,3 +51,43 @@ def test_parser_has_every_command_and_version(capsys):
         parser.parse_args(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"shardtrain {__version__}"
 
+
+
+def test_a_real_pack_imports_neither_torch_nor_pandas(tmp_path):
+    """A pack that meets every layout path (a sanitised-key clash, a duplicate id, a corrupt file, a missing
+    transcript, several shards, two workers) runs without torch (~1.5 s) and without pandas, which pyarrow imports
+    on its first `pa.array` or `to_numpy` (~0.3 s wall, ~0.5-1 s of CPU): the index is built from Arrow buffers
+    (format/arrownp.py). The dataset is still whole: the clash gets distinct keys, the bad files are rejected."""
+    import json
+    import shutil
+
+    from shardtrain.testing.corpus import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", [1.0, 1.5, 2.0, 2.5, 3.0, 1.2], seed=3)
+    first = sorted(corpus.glob("*.flac"))[0]
+    for name in ("x y", "x_y", "dup"):
+        shutil.copy(first, corpus / f"{name}.flac")
+        shutil.copy(first.with_suffix(".txt"), corpus / f"{name}.txt")
+    shutil.copy(first, corpus / "dup.wav")  # the same id twice
+    (corpus / "bad.flac").write_bytes(b"\x00garbage" * 400)
+    (corpus / "bad.txt").write_text("hello")
+    shutil.copy(first, corpus / "notext.flac")
+    out = tmp_path / "ds"
+    probe = PROBE.replace('"s3fs")', '"s3fs", "pandas")')
+    r = subprocess.run([sys.executable, "-c", probe, "pack", str(corpus), str(out), "--workers", "2",
+                        "--max-samples-per-shard", "3"], capture_output=True, text=True, timeout=300)
+    verdict, code, imported = r.stdout.strip().splitlines()[-1].split()
+    assert (verdict, code) == ("NO-TORCH", "0"), (r.stdout, r.stderr[-1500:])
+    assert "pandas" not in imported.split(","), "pack imported pandas"
+    manifest = json.loads((out / "manifest.json").read_text())
+    keys = set(pq_keys(out))
+    assert {"x_y"} <= keys and len([k for k in keys if k.startswith("x_y")]) == 2, keys  # the clash resolved
+    assert len(manifest["shards"]) >= 3
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert {"bad"} <= {j.get("key") for j in rejects} and any("notext" in json.dumps(j) for j in rejects), rejects
+
+
+def pq_keys(out) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(out / "index.parquet", columns=["key"]).column("key").to_pylist()

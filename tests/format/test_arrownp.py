@@ -28,3 +28,33 @@ def test_an_explicit_choice_is_kept(mimalloc_default, monkeypatch):
     assert lean_memory_pool() == "mimalloc"
     assert pa.default_memory_pool().backend_name == "mimalloc"
 
+
+
+@pytest.mark.parametrize("values,type_", [
+    ([1, None, 3, -7], pa.int32()), ([2, 3], pa.int16()), ([1 << 40, None], pa.int64()), ([1.5, None, 0.0], pa.float64()),
+    (["a", None, "é", ""], pa.string()), ([], pa.int64()), ([], pa.string()), ([None, None], pa.string()),
+])
+def test_column_arrow_is_pa_array(values, type_):
+    """column_arrow builds the same array pa.array does (values, nulls, type), from buffers."""
+    from shardtrain.format.arrownp import column_arrow
+
+    got = column_arrow(values, type_)
+    got.validate(full=True)
+    assert got.type == type_ and got.equals(pa.array(values, type_)) and got.null_count == values.count(None)
+
+
+def test_column_arrow_refuses_what_does_not_fit():
+    from shardtrain.format.arrownp import column_arrow
+
+    with pytest.raises(OverflowError):
+        column_arrow([70000], pa.int16())
+
+
+def test_bool_and_int_arrays_from_numpy():
+    import numpy as np
+
+    from shardtrain.format.arrownp import arrow_of, bool_arrow, numpy_of
+
+    mask = np.array([True, False, True, True, False, False, False, False, True])
+    assert bool_arrow(mask).to_pylist() == mask.tolist()
+    assert numpy_of(arrow_of(np.array([5, -1, 9]))).tolist() == [5, -1, 9]

@@ -128,23 +128,3 @@ def test_whole_shards_then_a_sliced_tail_are_the_same_bytes(mixed, tmp_path, mon
     assert got == ref
     assert sorted(s for s, whole in kinds if whole) == [0]
     assert sorted({s for s, whole in kinds if not whole}) == [1, 2, 3, 4] and len(kinds) == 1 + 19
-
-
-def test_driver_idle_once_the_driver_stops_scanning(tmp_path):
-    """LocalEngine.driver_idle (what packer._warm_arrow waits for before importing pandas): set once the pool
-    scans (here at once: no start_workers), and after a 1-worker scan, which runs in the driver to the end."""
-    from shardtrain.pack.parts import iter_parts
-
-    root = make_corpus(tmp_path / "c", [0.5] * 6, seed=1)
-    cfg = PackConfig(input=str(root), output=str(tmp_path / "o"), progress=False, part_items=2)
-    pool = engine.LocalEngine(2)
-    try:
-        seen: list[bool] = []
-        pool.scan(cfg, iter_parts(str(root), part_items=2), lambda s: seen.append(pool.driver_idle.is_set()))
-        assert seen == [True, True, True]
-    finally:
-        pool.close()
-    one = engine.LocalEngine(1)
-    during: list[bool] = []
-    one.scan(cfg, iter_parts(str(root), part_items=2), lambda s: during.append(one.driver_idle.is_set()))
-    assert during == [False, False, False] and one.driver_idle.is_set()
