@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import weakref
+from typing import Any
 from collections import deque
 
 import numpy as np
@@ -118,7 +119,7 @@ class _ProcessMadvise:
     def __init__(self) -> None:
         self.on = _MADVISE is not None
         self._self_ok = True  # PIDFD_SELF understood (else a pidfd of our own)
-        self._syscall = None
+        self._syscall: Any = None  # libc's syscall(), loaded on first use
         self._pidfd: tuple[int, int] | None = None  # (pid, fd): a fork's child must never advise its parent
 
     def __call__(self, pages: list[tuple[int, int]]) -> bool:
@@ -128,7 +129,7 @@ class _ProcessMadvise:
         if self._syscall is None:
             self._syscall = ctypes.CDLL(None, use_errno=True).syscall
             self._syscall.restype = ctypes.c_long
-        iov = (_IoVec * len(pages))(*pages)
+        iov = (_IoVec * len(pages))(*(_IoVec(a, n) for a, n in pages))
         want = sum(n for _, n in pages)
         while True:
             pidfd = self.PIDFD_SELF if self._self_ok else self._own_pidfd()
