@@ -71,8 +71,11 @@ def string_arrow(values: list[str | None]) -> pa.Array:
     pyarrow's pandas import on the first pa.array (~0.3 s wall, ~0.5-1 s of CPU on a loaded machine, in every
     fresh process: the pack driver and each scanning pool worker would pay it, for nothing). None is null."""
     raw = [b"" if v is None else v.encode("utf-8") for v in values]
+    ends = np.cumsum([len(b) for b in raw], dtype=np.int64)
+    if len(ends) and ends[-1] > np.iinfo(np.int32).max:  # string offsets are int32: never let them wrap
+        raise OverflowError(f"{ends[-1]} bytes of strings do not fit one Arrow string array (2 GiB)")
     offsets = np.zeros(len(raw) + 1, np.int32)
-    np.cumsum([len(b) for b in raw], out=offsets[1:])
+    offsets[1:] = ends
     nulls = [i for i, v in enumerate(values) if v is None]
     return pa.StringArray.from_buffers(len(raw), pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"".join(raw)),
                                        _validity(len(raw), nulls), len(nulls))
@@ -85,10 +88,12 @@ def column_arrow(values: list, type_: pa.DataType) -> pa.Array:
         return string_arrow(values)
     nulls = [i for i, v in enumerate(values) if v is None]
     dt = np.dtype(type_.to_pandas_dtype())
-    filled = [0 if v is None else v for v in values]
-    data = np.array(filled, dt)
-    if dt.kind in "iu" and dt.itemsize < 8 and not np.array_equal(data, np.array(filled, np.int64)):
-        raise OverflowError(f"a value does not fit {type_}")  # numpy < 2 wraps around instead of raising
+    raw = np.array([0 if v is None else v for v in values])
+    if dt.kind in "iu" and len(raw) and raw.dtype.kind not in "iub":  # numpy would truncate 3.7 to 3 where pa.array refuses
+        raise TypeError(f"values of type {raw.dtype} in a {type_} column")
+    data = raw.astype(dt)
+    if dt.kind in "iu" and not np.array_equal(data, raw):  # astype wraps around where pa.array refuses
+        raise OverflowError(f"a value does not fit {type_}")
     return pa.Array.from_buffers(type_, len(data), [_validity(len(data), nulls), pa.py_buffer(data)], len(nulls))
 
 

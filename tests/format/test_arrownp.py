@@ -48,6 +48,10 @@ def test_column_arrow_refuses_what_does_not_fit():
 
     with pytest.raises(OverflowError):
         column_arrow([70000], pa.int16())
+    with pytest.raises(OverflowError):
+        column_arrow([1 << 40], pa.int32())
+    with pytest.raises(TypeError):
+        column_arrow([3.7, 1], pa.int64())  # never truncated to 3
 
 
 def test_bool_and_int_arrays_from_numpy():
