@@ -44,8 +44,17 @@ class BatchBuffers:
         """Blocks given back by finalizers, which may run in any thread at any moment (a garbage collection
         inside `take`, say): a deque append needs no lock, so a finalizer can never wait on one."""
         self._lock = threading.Lock()
+        self._expect = 0
         self.fresh = 0
         """Blocks allocated (not recycled) so far: a trainer that holds batches shows here."""
+
+    def expect(self, nbytes: int) -> None:
+        """A batch of `nbytes` is coming: blocks made from now on are at least this large (the reader says so for
+        each batch it plans). Why: blocks sized to the batch that first needed them fit no larger batch later, and
+        each misfit cost an unmap and a fresh block (10 fresh blocks an epoch of the 4k speech corpus, ~43k page
+        faults; sized to the largest batch planned, 3, the most ever in flight). Pages past a batch's end are
+        never touched, so a large block costs no memory until a large batch writes it."""
+        self._expect = max(self._expect, nbytes)
 
     def take(self, rows: int, cols: int, dtype: np.dtype | type) -> np.ndarray:
         """An uninitialised [rows, cols] array of `dtype`: the caller writes or zeroes every element."""
@@ -55,15 +64,14 @@ class BatchBuffers:
         block = None
         with self._lock:
             self._collect()
-            # the smallest block that holds it, if not much larger: a small batch in a large block written full
-            # before would keep all of it resident (~20 MB a block of the 4k benchmark corpus's peak RSS)
-            fits = [i for i, b in enumerate(self._free) if need <= len(b) <= need + need // 4 + ROUND_BYTES]
+            # the smallest block that holds it; what a larger batch wrote past this one's end is released below
+            fits = [i for i, b in enumerate(self._free) if need <= len(b)]
             if fits:
                 block = self._free.pop(min(fits, key=lambda i: len(self._free[i])))
             elif self._free:  # none holds it: give one back to the system, so blocks never outnumber batches
                 self._free.pop(max(range(len(self._free)), key=lambda i: len(self._free[i])))
         if block is None:
-            block = _new_block(-(-need // ROUND_BYTES) * ROUND_BYTES, rows, cols, dt)
+            block = _new_block(-(-max(need, self._expect) // ROUND_BYTES) * ROUND_BYTES, rows, cols, dt)
             self.fresh += 1
         elif len(block) - need >= PAGE:  # a larger batch wrote the tail: no need to keep it resident (~-5 MB)
             release_pages(block, need, len(block))
@@ -167,19 +175,21 @@ def release_pages(block: np.ndarray, start: int, end: int) -> None:
     file order, so a run would stay whole until the end of its chunk: releasing each row's audio once decoded
     keeps two chunks' runs from adding up (peak RSS on the 4k benchmark corpora ~-5 to -10 MB). A no-op off
     Linux."""
-    release_spans(block.ctypes.data, [(start, end)])
+    addr = block.ctypes.data
+    release_spans([(addr + start, addr + end)])
 
 
-def release_spans(addr: int, spans: list[tuple[int, int]]) -> None:
-    """`release_pages` of several [start, end) ranges of the block at `addr` (`block.ctypes.data`: ~1 us to ask
-    for, so a decode task asks once for its rows) in one system call (`_ProcessMadvise`). Cost: the zap and the
-    page frees (moved from unmap to here), and a TLB flush of the other cores running this process per call.
-    A no-op off Linux."""
+def release_spans(spans: list[tuple[int, int]]) -> None:
+    """`release_pages` of several [first, end) address ranges (each inside one private map: a block from `take`,
+    or a file mapped by storage.map_range, whose pages then read from the file again) in one system call
+    (`_ProcessMadvise`). The caller keeps each map alive until this returns: an address of a map already gone
+    may belong to another by then. Cost: the zap and, for a block, the page frees (moved from unmap to here),
+    and a TLB flush of the other cores running this process per call. A no-op off Linux."""
     if _MADVISE is None:
         return
     pages = []
     for start, end in spans:
-        lo, hi = -(-(addr + start) // PAGE) * PAGE, (addr + end) // PAGE * PAGE
+        lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         if hi > lo:
             pages.append((lo, hi - lo))
     if len(pages) > 1 and _PROCESS_MADVISE(pages):

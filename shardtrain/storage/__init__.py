@@ -1,7 +1,7 @@
 """storage: where bytes live. The only room that talks to a filesystem or an object store.
 
     fs.py         fsspec access (path, file://, s3://): exists/ls/read/atomic write/sync, ranged reads with retry,
-                  local runs read straight into the caller's buffer
+                  local runs read straight into the caller's buffer or mapped read-only (map_range)
     s3http.py     direct S3 reads over presigned URLs and keep-alive http.client connections (the loader's path)
     clock.py      time without progress per read, enforced while waiting by a watchdog (stall, trickle)
     retry.py      transient vs hopeless errors, backoff, StorageUnavailable, CredentialsError
@@ -22,15 +22,15 @@ if TYPE_CHECKING:  # the names as types; at run time each is imported on first u
     from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, FileSystem,
                                        StorageUnavailable, atomic_write_bytes, commit_local_file, copy_into,
                                        credentials_error, exists, fill_range, fs_and_path, fs_is_local, is_local,
-                                       is_transient, iter_range, join, ls_names, makedirs, open_ranged, presign,
-                                       read_bytes, read_range, remove, size, sync)
+                                       is_transient, iter_range, join, ls_names, makedirs, map_range, open_ranged,
+                                       presign, read_bytes, read_range, remove, size, sync)
     from shardtrain.storage.redact import StorageOptions
     from shardtrain.storage.s3http import ObjectChanged
 
 _FS = ("RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "FileSystem", "StorageUnavailable",
        "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range",
        "fs_and_path", "fs_is_local", "is_local", "is_transient", "iter_range", "join", "ls_names", "makedirs",
-       "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync")
+       "map_range", "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync")
 _LAZY = {**{name: "fs" for name in _FS}, "StorageOptions": "redact", "ObjectChanged": "s3http"}
 """Imported on first use: the CLI's log filter (redact.py) and a command's first checks then cost no fsspec/s3fs
 (~0.1 s of CPU)."""

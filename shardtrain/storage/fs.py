@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import time
 import uuid
@@ -406,6 +407,34 @@ def fill_range(url: str | os.PathLike, start: int, out: memoryview, storage_opti
                 yield have
         return
     yield from copy_into(iter_range(url, start, start + len(out), storage_options, allow_short=True, **iter_kw), out)
+
+
+def map_range(url: str | os.PathLike, start: int, end: int, storage_options: dict | None = None,
+              pins: dict | None = None) -> memoryview | None:
+    """Bytes `[start, end)` of a local file as a read-only view of a private memory map of it, shorter where the
+    file ends; None when `url` is not a local file (or this platform has no private maps): read it with
+    `fill_range` then. The mapping lives as long as any view of it.
+
+    Why a third way in: `fill_range` copies every byte from the page cache into fresh anonymous memory, and the
+    loader paid for that copy, for a page fault per 4 KB of the fresh memory (zeroing and charging each page)
+    and for freeing it again: ~9% of its CPU on the benchmark corpora (107k page faults an epoch of the 4k
+    speech corpus, 24k mapped). Mapped, the decoder reads the page cache itself; the kernel maps 64 KB a fault.
+    Cost and hazard: one mmap and one munmap a run, and a file truncated in place while mapped ends the process
+    with SIGBUS where a read would have reported a truncated shard. Packing never truncates (it renames a new
+    file over the old: the map keeps the old inode), and `pins` refuses a file replaced or rewritten since the
+    run first opened it (ObjectChanged); the loader's `StreamConfig.map_local=False` reads instead."""
+    flags = getattr(mmap, "MAP_PRIVATE", None)
+    if flags is None or not is_local(url):
+        return None
+    path = fs_and_path(url, storage_options)[1]
+    with open(path, "rb", buffering=0) as f:
+        _check_pin(path, f.fileno(), pins)
+        end = min(end, os.fstat(f.fileno()).st_size)
+        if end <= start:
+            return memoryview(b"")
+        lo = start - start % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(f.fileno(), end - lo, flags=flags, prot=mmap.PROT_READ, offset=lo)
+    return memoryview(mapped)[start - lo:]
 
 
 def _check_pin(path: str, fd: int, pins: dict | None) -> None:

@@ -124,7 +124,7 @@ def test_spans_released_in_one_call_or_one_by_one_leave_the_same_bytes():
             pool = BatchBuffers(keep=0)
             run = pool.take(1, 16 * PAGE, np.uint8)[0]
             run[:] = 7
-            release_spans(run.ctypes.data, spans)
+            release_spans([(run.ctypes.data + a, run.ctypes.data + b) for a, b in spans])
             assert np.array_equal(run, expect), one_call
     finally:
         buffers._PROCESS_MADVISE.on = was

@@ -191,6 +191,28 @@ def test_truncated_shard_skipped_and_recorded(dataset, tmp_path):
         run(url, strict=True)
 
 
+@pytest.mark.parametrize("truncate", [False, True])
+def test_mapped_and_read_shards_give_the_same_batches_and_skips(dataset, tmp_path, truncate):
+    """map_local (the decoder reads a memory map of the shard) and reads into a buffer are one path with two
+    sources: bit-identical batches, the same skipped keys with the same reasons, on a clean, a corrupt and a
+    truncated dataset; and the mapped path really maps (a read of the shard file would go through fill_range)."""
+    from unittest import mock
+
+    from shardtrain import storage
+
+    runs = {}
+    for url in (dataset, _corrupt_member(dataset, tmp_path / str(truncate), truncate=truncate)[0]):
+        for mapped in (True, False):
+            with mock.patch.object(storage, "fill_range", wraps=storage.fill_range) as reads:
+                batches, _, loader = run(url, map_local=mapped)
+            assert reads.called != mapped
+            skips = sorted((e["key"], e["reason"]) for e in loader.stats()["skipped_keys"])
+            runs[(url, mapped)] = (batches, skips)
+        assert runs[(url, True)] == runs[(url, False)]
+    assert runs[(dataset, True)][1] == [] and len({u for u, _ in runs}) == 2
+    assert any(skips for (u, _), (_, skips) in runs.items() if u != dataset)
+
+
 def test_missing_shard_stops_loudly_naming_the_url(dataset, tmp_path):
     """A missing shard is not bad data: the loader raises at once (no retries, no skipped rows) and names it."""
     out = tmp_path / "ds"

@@ -1,6 +1,7 @@
 """storage: URL helpers, atomic writes, piece-wise ranged reads that retry and resume at the byte reached."""
 from __future__ import annotations
 
+import mmap
 import os
 
 import fsspec
@@ -49,6 +50,23 @@ def test_fill_range_local_in_place_and_short(tmp_path):
     assert got[-1] == 100 and bytes(tail[:100]) == data[-100:]
     with pytest.raises(FileNotFoundError):
         list(storage.fill_range(str(tmp_path / "missing"), 0, memoryview(bytearray(10))))
+
+
+def test_map_range_local_views_the_bytes_and_ends_with_the_file(tmp_path):
+    data = os.urandom(3 * mmap.ALLOCATIONGRANULARITY + 123)
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    pins: dict = {}
+    view = storage.map_range(str(p), 1000, 2 * mmap.ALLOCATIONGRANULARITY + 7, pins=pins)  # an unaligned start
+    assert bytes(view) == data[1000:2 * mmap.ALLOCATIONGRANULARITY + 7] and view.readonly
+    assert bytes(storage.map_range(f"file://{p}", len(data) - 100, len(data) + 5000)) == data[-100:]  # past the end
+    assert len(storage.map_range(str(p), len(data) + 10, len(data) + 20)) == 0
+    assert storage.map_range("s3://bucket/blob", 0, 10) is None  # not local: the caller reads it
+    with pytest.raises(FileNotFoundError):
+        storage.map_range(str(tmp_path / "missing"), 0, 10)
+    p.write_bytes(data[:-1])  # rewritten since the pin: refused, as fill_range refuses it
+    with pytest.raises(storage.ObjectChanged):
+        storage.map_range(str(p), 0, 10, pins=pins)
 
 
 def test_read_range_retries_and_resumes(tmp_path, monkeypatch):
