@@ -114,6 +114,18 @@ class Dataset:
     def index_url(self) -> str:
         return storage.join(self.url, self.manifest.get("index", INDEX))
 
+    def open_index(self):
+        """index.parquet opened for Arrow's Parquet reader: a local one as Arrow's own file (pa.OSFile), a remote
+        one through storage.open_ranged (retries, direct HTTP). Why not one Python file object for both: Arrow
+        reads through its IO threads, and a Python file makes them take the GIL; such a thread still holding or
+        dropping one while the interpreter exits ends the process with std::terminate ("terminate called without
+        an active exception", apache/arrow#34314 and #45017; seen once here: a finished training run exited with
+        SIGABRT). A local index never hands Arrow a Python object."""
+        if storage.is_local(self.index_url):
+            return pa.OSFile(storage.fs_and_path(self.index_url, self.storage_options)[1])
+        return storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http,
+                                   budget_s=self.budget_s)
+
     def read_index(self, columns: Sequence[str] | None = None) -> pa.Table:
         """index.parquet as a pyarrow Table; `columns` projects (only those column chunks are read).
 
@@ -130,8 +142,7 @@ class Dataset:
             cols = wanted + [c for c in RELATED_COLUMNS if c not in wanted]
         rows = sum(s.samples for s in self.shards)
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset/compute/acero (~30 ms) for nothing
-        with storage.open_ranged(self.index_url, self.storage_options, direct_http=self.direct_http,
-                                 budget_s=self.budget_s) as f:
+        with self.open_index() as f:
             try:
                 pf = pq.ParquetFile(f)
                 if cols is None:

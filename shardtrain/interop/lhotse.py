@@ -125,7 +125,7 @@ class _IndexCuts:
     def __iter__(self) -> Iterator[MonoCut]:
         import pyarrow.parquet as pq  # noqa: PLC0415
 
-        with storage.open_ranged(self.ds.index_url, self.ds.storage_options) as f:
+        with self.ds.open_index() as f:
             for rb in pq.ParquetFile(f).iter_batches(batch_size=self.batch_rows, columns=list(CUT_COLUMNS)):
                 for row in rb.to_pylist():
                     yield _cut(self.ds, row)

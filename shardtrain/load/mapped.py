@@ -199,8 +199,7 @@ def _build(ds: Dataset, folder: Path, *, text: bool, source: dict) -> None:
     log.info("building a memory-mapped index of %s (%d rows) in %s", ds.url, rows, folder)
     need, w = 0, None
     try:
-        with storage.open_ranged(ds.index_url, ds.storage_options, direct_http=ds.direct_http,
-                                 budget_s=ds.budget_s) as f:
+        with ds.open_index() as f:
             pf = pq.ParquetFile(f)
             if pf.metadata.num_rows != rows:
                 raise DatasetError(f"{ds.index_url}: {pf.metadata.num_rows} rows, the manifest's shards hold {rows}")

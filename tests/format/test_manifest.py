@@ -34,3 +34,18 @@ def test_missing_manifest_is_incomplete(tones24, tmp_path):
     (d / "manifest.json").write_text(json.dumps({**m, "format_version": 99}))
     with pytest.raises(DatasetError, match="format_version 99"):
         open_dataset(str(d))
+
+
+def test_a_local_index_reaches_arrow_as_its_own_file_not_a_python_object(tones24, tmp_path):
+    """Dataset.open_index: Arrow's IO threads never hold a Python file of a local index (a thread dropping one
+    while the interpreter exits aborts the process); a missing index is still FileNotFoundError."""
+    import pyarrow as pa
+
+    ds = open_dataset(tones24)
+    with ds.open_index() as f:
+        assert isinstance(f, pa.NativeFile)
+    assert ds.read_index(columns=["key"]).num_rows == sum(s.samples for s in ds.shards)
+    out = _copy(tones24, tmp_path)
+    (out / "index.parquet").unlink()
+    with pytest.raises(FileNotFoundError):
+        open_dataset(str(out)).read_index()
