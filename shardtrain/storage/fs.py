@@ -32,6 +32,7 @@ import contextlib
 import logging
 import mmap
 import os
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -412,8 +413,8 @@ def fill_range(url: str | os.PathLike, start: int, out: memoryview, storage_opti
 def map_range(url: str | os.PathLike, start: int, end: int, storage_options: dict | None = None,
               pins: dict | None = None) -> memoryview | None:
     """Bytes `[start, end)` of a local file as a read-only view of a private memory map of it, shorter where the
-    file ends; None when `url` is not a local file (or this platform has no private maps): read it with
-    `fill_range` then. The mapping lives as long as any view of it.
+    file ends; None when `url` is not a local file, or not one that can be mapped (a pipe, some FUSE mounts; or
+    this platform has no private maps): read it with `fill_range` then. The mapping lives as long as any view of it.
 
     Why a third way in: `fill_range` copies every byte from the page cache into fresh anonymous memory, and the
     loader paid for that copy, for a page fault per 4 KB of the fresh memory (zeroing and charging each page)
@@ -429,11 +430,18 @@ def map_range(url: str | os.PathLike, start: int, end: int, storage_options: dic
     path = fs_and_path(url, storage_options)[1]
     with open(path, "rb", buffering=0) as f:
         _check_pin(path, f.fileno(), pins)
-        end = min(end, os.fstat(f.fileno()).st_size)
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        end = min(end, st.st_size)
         if end <= start:
             return memoryview(b"")
         lo = start - start % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(f.fileno(), end - lo, flags=flags, prot=mmap.PROT_READ, offset=lo)
+        try:
+            mapped = mmap.mmap(f.fileno(), end - lo, flags=flags, prot=mmap.PROT_READ, offset=lo)
+        except (OSError, ValueError) as e:  # not mappable (a pipe, a device, some FUSE mounts): read it instead
+            log.debug("%s: not mapped (%s); reading it", path, e)
+            return None
     return memoryview(mapped)[start - lo:]
 
 

@@ -62,6 +62,9 @@ def test_map_range_local_views_the_bytes_and_ends_with_the_file(tmp_path):
     assert bytes(storage.map_range(f"file://{p}", len(data) - 100, len(data) + 5000)) == data[-100:]  # past the end
     assert len(storage.map_range(str(p), len(data) + 10, len(data) + 20)) == 0
     assert storage.map_range("s3://bucket/blob", 0, 10) is None  # not local: the caller reads it
+    os.mkfifo(tmp_path / "fifo")
+    with open(tmp_path / "fifo", "r+b"):  # held open for writing too, so opening it to map does not block
+        assert storage.map_range(str(tmp_path / "fifo"), 0, 10) is None  # not a regular file: read, not mapped
     with pytest.raises(FileNotFoundError):
         storage.map_range(str(tmp_path / "missing"), 0, 10)
     p.write_bytes(data[:-1])  # rewritten since the pin: refused, as fill_range refuses it
