@@ -63,8 +63,11 @@ def test_map_range_local_views_the_bytes_and_ends_with_the_file(tmp_path):
     assert len(storage.map_range(str(p), len(data) + 10, len(data) + 20)) == 0
     assert storage.map_range("s3://bucket/blob", 0, 10) is None  # not local: the caller reads it
     os.mkfifo(tmp_path / "fifo")
-    with open(tmp_path / "fifo", "r+b"):  # held open for writing too, so opening it to map does not block
+    held = os.open(tmp_path / "fifo", os.O_RDWR)  # a writer, so that opening it to read does not block
+    try:
         assert storage.map_range(str(tmp_path / "fifo"), 0, 10) is None  # not a regular file: read, not mapped
+    finally:
+        os.close(held)
     with pytest.raises(FileNotFoundError):
         storage.map_range(str(tmp_path / "missing"), 0, 10)
     p.write_bytes(data[:-1])  # rewritten since the pin: refused, as fill_range refuses it
