@@ -125,6 +125,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_why(six_utts, small_di
 def test_first_ctrl_c_sets_the_flag_and_a_second_raises_at_once():
     from shardtrain.train.preempt import Preemption, parse_signals
 
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN in a job a shell started in the background
     pre = Preemption(parse_signals("TERM,USR1")).install()
     try:
         os.kill(os.getpid(), signal.SIGINT)  # real signals: Python runs the handler at the next bytecode
@@ -138,4 +139,4 @@ def test_first_ctrl_c_sets_the_flag_and_a_second_raises_at_once():
         assert pre.name() == "SIGINT"
     finally:
         pre.uninstall()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # what was there before, restored
