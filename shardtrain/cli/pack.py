@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from shardtrain.format.codecs import CODECS
-from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, missing_local_path, report_error
+from shardtrain.cli.common import _CREDS_HELP, _parse_storage_options, missing_local_path, one_blas_thread, report_error
 from shardtrain.format.safe import printable, printable_lines
 
 
@@ -107,6 +107,8 @@ def _delimiter(value: str) -> str:
 
 def _cmd_pack(args) -> int:
     import json
+
+    one_blas_thread()  # before anything imports numpy
 
     from shardtrain.pack.item import missing_input_message
 
