@@ -76,3 +76,16 @@ def test_one_table_maps_errors_to_exit_statuses():
     assert exit_code(StreamError("outage")) == EXIT_FAILURE
     assert exit_code(TimeoutError("slow")) == EXIT_FAILURE
     assert exit_code(ZeroDivisionError()) is None  # a bug keeps its traceback
+
+
+def test_one_blas_thread_is_set_for_pack_unless_the_user_chose(monkeypatch):
+    import os
+
+    from shardtrain.cli.common import one_blas_thread
+
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    one_blas_thread()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    one_blas_thread()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
