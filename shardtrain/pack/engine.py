@@ -36,8 +36,8 @@ from shardtrain import storage
 from shardtrain.pack.lifeline import die_with_parent
 from shardtrain.pack.layout import ShardSpec
 from shardtrain.pack.scan import PartScan, scan_part
-from shardtrain.pack.shard_task import (PackError, SampleSpec, ShardTask, finish_shard, publish_marker, shard_work,
-                                        write_shard)
+from shardtrain.pack.shard_task import (PackError, SampleSpec, ShardStream, ShardTask, finish_shard, publish_marker,
+                                        shard_work, write_shard)
 from shardtrain.pack.parts import SourcePart
 
 if TYPE_CHECKING:
@@ -108,6 +108,11 @@ def _finish(job: WriteJob, task: ShardTask, parts: list) -> dict:
     return _publish(job, finish_shard(task, parts))
 
 
+def _finish_stream(job: WriteJob, stream: ShardStream) -> dict:
+    """A sliced shard tarred as its slices came back (ShardStream): close, rename, fsync, marker."""
+    return _publish(job, stream.finish())
+
+
 def slices(samples: list[SampleSpec], target: int) -> list[tuple[int, int]]:
     """[start, stop) bounds cutting `samples` (layout order) into runs of about `target` estimated bytes (at least
     one sample each). Only how work is spread: the output does not depend on it."""
@@ -129,11 +134,19 @@ def _scan_task(job: tuple) -> tuple[PartScan, list]:
 
 
 class LocalEngine:
-    """Scans in this process (probe threads inside each part), writes in a forkserver process pool of `workers`
-    (or in this process for 1). Holds every part's records in memory (~1 KB per item)."""
+    """Scans parts (in this process until the pool is up, then in the pool), writes in a process pool of
+    `workers` (or all in this process for 1). Holds every part's records in memory (~1 KB per item).
 
-    def __init__(self, workers: int) -> None:
+    `fork`: the pool's workers are forked from this process when start_workers is called (before any thread or
+    remote-storage connection of the pack exists: packer uses it for a local INPUT and OUTPUT on Linux), ~10 ms
+    a worker with everything imported. Else a forkserver starts them: a fresh interpreter that imports the pack
+    modules first (~0.3 s of CPU; 0.6-1 s before the first worker is up on 2 busy cores) and shares nothing with
+    this process (fsspec's event loop, open connections), but it left both cores without decoding work after
+    the scan of a 2,000-file pack (0.2-0.5 s from the first task to its result, against 0.05-0.2 s forked)."""
+
+    def __init__(self, workers: int, fork: bool = False) -> None:
         self.workers = workers
+        self.fork = fork
         self._records: dict[int, list] = {}
         self._pool: ProcessPoolExecutor | None = None
         self._up: threading.Event | None = None
@@ -141,21 +154,33 @@ class LocalEngine:
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode",
-                                        "shardtrain.pack.scan", "shardtrain.pack.parts",
-                                        "shardtrain.pack.lifeline"])
+            if self.fork:
+                ctx = multiprocessing.get_context("fork")
+            else:
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload(["shardtrain.pack.shard_task", "shardtrain.pack.transcode",
+                                            "shardtrain.pack.scan", "shardtrain.pack.parts",
+                                            "shardtrain.pack.lifeline"])
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=die_with_parent,
                                              initargs=(os.getpid(),))
         return self._pool
 
     def start_workers(self) -> None:
-        """Start the pool's processes in the background now. A forkserver worker starts only after the server
-        has imported the pack modules (~0.8 s idle, 1.5-2 s on a loaded machine), and the first task is submitted
-        only once the input is listed: started here, the two overlap, and `scan` scans in this process until
-        every worker is up (`_up`). Errors surface at the first real task, as before."""
+        """Start the pool's processes now. With `fork`, here in this thread (a fork pool starts all its workers
+        at its first task; forking from a background thread while this one scans could copy a held lock), and
+        `scan` sends every part to the pool. Else in the background: a forkserver worker starts only after the
+        server has imported the pack modules (~0.8 s idle, 1.5-2 s on a loaded machine), and the first task is
+        submitted only once the input is listed: started here, the two overlap, and `scan` scans in this process
+        until every worker is up (`_up`). Errors surface at the first real task, as before."""
         ex = self._executor()
         up = self._up = threading.Event()
+        if self.fork:
+            try:
+                ex.submit(int)
+            except (RuntimeError, BrokenProcessPool):  # the real tasks report it
+                pass
+            up.set()
+            return
 
         def start() -> None:
             try:
@@ -236,7 +261,10 @@ class LocalEngine:
         With the pool, the last TAIL_SHARDS x workers shards (all of them in a small pack) are cut into slices
         of ~SLICE_BYTES of estimated audio (`slices`): the workers run shard_task.encode_slice on them (read,
         decode check or transcode: the expensive part) and a thread here runs finish_shard once all slices of a
-        shard are back (sort, tar, sha256, fsync, marker). The shards before go to a worker whole (write_shard,
+        shard are back (sort, tar, sha256, fsync, marker); for a local OUTPUT that thread tars and hashes each
+        slice as soon as the slices before it are back (shard_task.ShardStream), so after the last slice only
+        its own ~2 MB, the close and the fsync are left (a one-shard pack of 2,000 files waited ~0.4 s for the
+        whole 125 MB tar there, both workers idle). The shards before go to a worker whole (write_shard,
         leaving fsync and marker to a thread here: an fsync is a wait for the disk, ~40 ms per 16 MB, that idled
         a worker's core). Why slices: with a task per shard a corpus of one shard ran on one core (a 2,000-file
         pack took ~2x a 2-process decode of the same audio) and every pack ended with its last shards on fewer
@@ -254,8 +282,9 @@ class LocalEngine:
             for t in (shard_task(job, s, self._record) for s in specs):
                 yield write_shard(t)
             return
-        open_shards: dict[int, list] = {}  # shard -> [task, slices left, slice results]
+        open_shards: dict[int, list] = {}  # shard -> [task or ShardStream, slices left, slice results]
         whole = count - TAIL_SHARDS * self.workers  # shards before this one go to a worker whole
+        finishers = 1 if storage.is_local(job.output) else min(self.workers, REMOTE_FINISHERS)
 
         def work() -> Iterator[tuple[ShardTask, int | None]]:
             for k, spec in enumerate(specs):
@@ -264,10 +293,10 @@ class LocalEngine:
                     yield task, None
                     continue
                 bounds = slices(task.samples, SLICE_BYTES)
-                open_shards[task.shard] = [task, len(bounds), []]
+                held = ShardStream(task, [a for a, _ in bounds]) if finishers == 1 else task
+                open_shards[task.shard] = [held, len(bounds), []]
                 yield from ((replace(task, samples=task.samples[a:b]), a) for a, b in bounds)
 
-        finishers = 1 if storage.is_local(job.output) else min(self.workers, REMOTE_FINISHERS)
         written: deque[Future] = deque()
         # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came back
         # are written with their markers, and a re-run writes only the rest.
@@ -276,16 +305,30 @@ class LocalEngine:
                 if first is None:  # a whole shard, written by its worker: fsync and marker here
                     written.append(writer.submit(_publish, job, result))
                 else:
-                    entry = open_shards[shard]
-                    entry[1] -= 1
-                    entry[2].append((shard, first, result))
-                    if not entry[1]:
-                        del open_shards[shard]
-                        written.append(writer.submit(_finish, job, entry[0], entry[2]))
+                    written.extend(self._sliced(writer, job, open_shards, (shard, first, result)))
                 while written and (written[0].done() or len(written) > finishers + 1):
                     yield written.popleft().result()  # a full queue waits here: no work is submitted meanwhile
             while written:
                 yield written.popleft().result()
+
+    @staticmethod
+    def _sliced(writer: ThreadPoolExecutor, job: WriteJob, open_shards: dict, got: tuple) -> list[Future]:
+        """A slice's result (shard, first, encoded) in: handed to its shard's ShardStream on the one finishing
+        thread (local OUTPUT: tarred there now, in call order), else kept; once a shard's slices are all back,
+        the future of its marker (finish_shard or ShardStream.finish, then fsync and marker)."""
+        entry = open_shards[got[0]]
+        entry[1] -= 1
+        held = entry[0]
+        if isinstance(held, ShardStream):
+            writer.submit(held.add, got[1], got[2])  # its errors surface in finish (the tar is dropped)
+        else:
+            entry[2].append(got)
+        if entry[1]:
+            return []
+        del open_shards[got[0]]
+        if isinstance(held, ShardStream):
+            return [writer.submit(_finish_stream, job, held)]
+        return [writer.submit(_finish, job, held, entry[2])]
 
     def close(self) -> None:
         self._records.clear()

@@ -3,7 +3,7 @@
 Without it, a pack killed with SIGKILL (OOM killer, a cancelled job) leaves its pool workers running: they finish
 the shards already queued to them, writing into an OUTPUT nobody is committing any more, and then block forever.
 
-Two mechanisms, because a forkserver worker's parent is the fork server, not the pack:
+Two mechanisms, because a forkserver worker's parent is the fork server, not the pack (a forked worker's is the pack):
 - Linux: prctl(PR_SET_PDEATHSIG, SIGKILL), so the kernel kills the worker when the fork server exits (it exits
   as soon as the pack's end of its pipe closes, i.e. when the pack dies).
 - Everywhere: a daemon thread that checks every `poll_s` whether the pack's pid is still alive and whether this

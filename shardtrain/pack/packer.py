@@ -185,7 +185,10 @@ class _IndexRows:
 def _engine(cfg: PackConfig):
     from shardtrain.pack.engine import LocalEngine, RayEngine
 
-    return RayEngine(cfg.ray_address) if cfg.engine == "ray" else LocalEngine(cfg.workers)
+    if cfg.engine == "ray":
+        return RayEngine(cfg.ray_address)
+    local = storage.is_local(str(cfg.input)) and storage.is_local(str(cfg.output))
+    return LocalEngine(cfg.workers, fork=local and sys.platform.startswith("linux"))  # fork: see LocalEngine
 
 
 def _fingerprint_in(url: str, so: dict | None) -> str | None:

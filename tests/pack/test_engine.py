@@ -128,3 +128,27 @@ def test_whole_shards_then_a_sliced_tail_are_the_same_bytes(mixed, tmp_path, mon
     assert got == ref
     assert sorted(s for s, whole in kinds if whole) == [0]
     assert sorted({s for s, whole in kinds if not whole}) == [1, 2, 3, 4] and len(kinds) == 1 + 19
+
+
+def test_forked_and_forkserver_pools_write_the_same_bytes(mixed, tmp_path, monkeypatch):
+    """A local INPUT and OUTPUT on Linux get a forked pool (started at once: every part is scanned in it); any
+    other pack a forkserver pool (the driver scans parts while it starts); both write the dataset 1 worker does."""
+    import sys
+
+    from shardtrain.pack import packer
+
+    def run(name: str, workers: int, fork: bool) -> dict[str, bytes]:
+        monkeypatch.setattr(packer, "_engine", lambda cfg: engine.LocalEngine(cfg.workers, fork=fork))
+        pack(PackConfig(input=str(mixed), output=str(tmp_path / name), workers=workers, progress=False,
+                        part_items=3, max_samples_per_shard=7))
+        return _dataset(tmp_path / name)
+
+    real = packer._engine
+    linux = sys.platform.startswith("linux")
+    assert real(PackConfig(input=str(mixed), output=str(tmp_path / "x"), workers=2)).fork is linux
+    assert real(PackConfig(input=str(mixed), output="s3://bucket/x", workers=2)).fork is False
+    assert real(PackConfig(input="s3://bucket/in.jsonl", output=str(tmp_path / "x"), workers=2)).fork is False
+    ref = run("w1", 1, False)
+    assert len([n for n in ref if n.startswith("shard-")]) == 4
+    assert run("fork", 2, True) == ref
+    assert run("forkserver", 2, False) == ref

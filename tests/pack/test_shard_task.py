@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,61 @@ def test_done_marker_written_only_by_whoever_syncs_the_shard(corpus, tmp_path, d
     if defer_sync:
         publish_marker(str(out), None, marker)
     assert json.loads(done.read_text()) == json.loads(json.dumps(marker, sort_keys=True))
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("six"), [0.3, 1.2, 0.5, 0.9, 0.4, 0.7], seed=2)
+
+
+def _layout_task(corpus: Path, out: Path, reverse: bool):
+    """A shard of the six files plus a missing one (an encode reject), in layout order ((duration, key)), or
+    reversed: then the slices are out of the stored order and the whole shard must be sorted after encoding."""
+    from dataclasses import replace
+
+    from shardtrain.pack.probe import probe
+    from shardtrain.pack.shard_task import SampleSpec, ShardTask
+    from shardtrain.pack.sources import Item
+
+    samples = []
+    for i, path in enumerate(sorted(corpus.glob("*.flac"))):
+        info = probe(str(path))
+        samples.append(SampleSpec(key=f"k{i}", item=Item(id=path.stem, audio=str(path), text="t"), info=info,
+                                  duration_s=info.duration_s, est_bytes=path.stat().st_size))
+    gone = replace(samples[0].item, id="gone", audio=str(corpus / "gone.flac"))
+    samples.append(replace(samples[0], key="k9", item=gone, duration_s=0.55))
+    samples.sort(key=lambda s: (s.duration_s, s.key), reverse=reverse)
+    return ShardTask(shard=0, output=str(out), storage_options=None, samples=samples, target=AudioTarget(),
+                     fingerprint="f" * 64, defer_sync=True)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_shard_stream_writes_the_bytes_finish_shard_writes(six, tmp_path, reverse):
+    """Slices of two samples come back in any order: ShardStream tars them as they become contiguous (layout
+    order = stored order), or gives up on the first sample out of order (reversed layout) and sorts the whole
+    shard; the tar, its sha256, rows, rejects and marker are finish_shard's either way."""
+    from dataclasses import replace
+
+    from shardtrain.pack.shard_task import ShardStream, encode_slice, finish_shard
+
+    marks = {}
+    for name in ("ref", "stream"):
+        task = _layout_task(six, tmp_path / name, reverse)
+        starts = list(range(0, len(task.samples), 2))
+        results = [encode_slice((replace(task, samples=task.samples[a:a + 2]), a)) for a in starts]
+        if name == "ref":
+            marks[name] = finish_shard(task, results)
+            continue
+        stream = ShardStream(task, starts)
+        for shard, first, res in (results[2], results[0], results[3], results[1]):
+            stream.add(first, res)
+        assert stream.streaming is not reverse and (stream.tar is None) is reverse
+        if stream.tar is not None and sys.platform.startswith("linux"):  # the disk writes started as it went
+            assert 0 < stream.tar.flushed == stream.tar.w.bytes
+        marks[name] = stream.finish()
+        assert [p.name for p in (tmp_path / name / "_work").iterdir()] == []  # no temp file left behind
+    ref, got = marks["ref"], marks["stream"]
+    assert [r["reason"] for r in ref["rejects"]] == ["missing_file"] and ref["info"]["samples"] == 6
+    assert json.dumps(got, sort_keys=True) == json.dumps(ref, sort_keys=True)
+    name = ref["info"]["name"]
+    assert (tmp_path / "stream" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
