@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -188,7 +189,10 @@ def _engine(cfg: PackConfig):
     if cfg.engine == "ray":
         return RayEngine(cfg.ray_address)
     local = storage.is_local(str(cfg.input)) and storage.is_local(str(cfg.output))
-    return LocalEngine(cfg.workers, fork=local and sys.platform.startswith("linux"))  # fork: see LocalEngine
+    # fork (see LocalEngine) only from a process with no other Python thread: a caller's thread could hold a lock
+    # (logging, an import) that the forked workers would then wait on forever
+    alone = threading.active_count() == 1
+    return LocalEngine(cfg.workers, fork=local and alone and sys.platform.startswith("linux"))
 
 
 def _fingerprint_in(url: str, so: dict | None) -> str | None:

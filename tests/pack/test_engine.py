@@ -145,9 +145,13 @@ def test_forked_and_forkserver_pools_write_the_same_bytes(mixed, tmp_path, monke
 
     real = packer._engine
     linux = sys.platform.startswith("linux")
+    monkeypatch.setattr(packer.threading, "active_count", lambda: 1)  # as in `shardtrain pack` (the suite has threads)
     assert real(PackConfig(input=str(mixed), output=str(tmp_path / "x"), workers=2)).fork is linux
     assert real(PackConfig(input=str(mixed), output="s3://bucket/x", workers=2)).fork is False
     assert real(PackConfig(input="s3://bucket/in.jsonl", output=str(tmp_path / "x"), workers=2)).fork is False
+    monkeypatch.setattr(packer.threading, "active_count", lambda: 2)  # a caller's thread alive: no fork
+    assert real(PackConfig(input=str(mixed), output=str(tmp_path / "x"), workers=2)).fork is False
+    monkeypatch.undo()
     ref = run("w1", 1, False)
     assert len([n for n in ref if n.startswith("shard-")]) == 4
     assert run("fork", 2, True) == ref
