@@ -154,6 +154,7 @@ class LocalEngine:
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
+            ctx: Any
             if self.fork:
                 ctx = multiprocessing.get_context("fork")
             else:

@@ -356,7 +356,8 @@ class _TarOut:
     def __init__(self, task: ShardTask) -> None:
         from shardtrain import storage
 
-        self.task, self.name, self.rows = task, _tar_name(task.shard), []
+        self.task, self.name = task, _tar_name(task.shard)
+        self.rows: list[dict] = []
         if storage.is_local(task.output):
             _, work_dir = storage.fs_and_path(storage.join(task.output, "_work"), task.storage_options)
             os.makedirs(work_dir, exist_ok=True)
