@@ -429,8 +429,7 @@ def map_range(url: str | os.PathLike, start: int, end: int, storage_options: dic
         return None
     path = fs_and_path(url, storage_options)[1]
     with open(path, "rb", buffering=0) as f:
-        _check_pin(path, f.fileno(), pins)
-        st = os.fstat(f.fileno())
+        st = _check_pin(path, f.fileno(), pins) or os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             return None
         end = min(end, st.st_size)
@@ -445,18 +444,20 @@ def map_range(url: str | os.PathLike, start: int, end: int, storage_options: dic
     return memoryview(mapped)[start - lo:]
 
 
-def _check_pin(path: str, fd: int, pins: dict | None) -> None:
+def _check_pin(path: str, fd: int, pins: dict | None) -> os.stat_result | None:
     """The local counterpart of an ETag pin: (inode, size, mtime_ns) of the first open, compared at every later open
     through the same `pins` (one fstat, ~1 us). A re-pack renames new files over the old (a new inode) or rewrites
-    them (a new mtime): either raises ObjectChanged. One open reads one version, so a run is never spliced."""
+    them (a new mtime): either raises ObjectChanged. One open reads one version, so a run is never spliced.
+    Returns the fstat it took (None without pins), so a caller needing the size asks once."""
     if pins is None:
-        return
+        return None
     st = os.fstat(fd)
     now = (st.st_ino, st.st_size, st.st_mtime_ns)
     first = pins.setdefault(path, now)
     if first != now:
         raise ObjectChanged(f"{path}: the file was replaced or rewritten while the run read it (inode, size, "
                             f"mtime_ns {first} first, now {now}); its bytes would mix two versions")
+    return st
 
 
 def copy_into(pieces: Iterator[bytes], out: memoryview) -> Iterator[int]:
