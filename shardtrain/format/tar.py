@@ -39,16 +39,17 @@ class MemberOffsets:
 
 
 class _HashingWriter:
-    """File-like wrapper that counts and sha256-hashes what passes through (tarfile only calls write/tell)."""
+    """File-like wrapper that counts and (unless `hashed` is False) sha256-hashes what passes through."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, hashed: bool = True) -> None:
         self.raw = raw
         self.pos = 0
-        self.sha = hashlib.sha256()
+        self.sha = hashlib.sha256() if hashed else None
 
     def write(self, b) -> int:
         self.raw.write(b)
-        self.sha.update(b)
+        if self.sha is not None:
+            self.sha.update(b)
         self.pos += len(b)
         return len(b)
 
@@ -83,10 +84,14 @@ class ShardWriter:
 
     Use as a context manager; `close()` writes the end-of-archive blocks. `sha256` and `bytes` are valid after
     close. The caller decides sample order (the packer sorts by (duration_s, key)).
+
+    A shard can also be assembled from parts: writers with `hashed=False` that are never closed write whole
+    members of consecutive samples (a pack worker's slice of a shard, to a file of its own), and the shard's
+    writer takes each part's bytes with `append`. Offsets a part's writer reported are then relative to the part.
     """
 
-    def __init__(self, fileobj: BinaryIO) -> None:
-        self._out = _HashingWriter(fileobj)
+    def __init__(self, fileobj: BinaryIO, hashed: bool = True) -> None:
+        self._out = _HashingWriter(fileobj, hashed)
         self._keys: set[str] = set()
         self.closed = False
 
@@ -119,6 +124,16 @@ class ShardWriter:
             json_size=len(meta_json),
         )
 
+    def append(self, members) -> int:
+        """Whole members another ShardWriter wrote (a part, see the class docstring) appended as they are, hashed
+        and counted; returns the offset of the first. Keys are not checked again: each part's writer checked its
+        own, and the caller's parts hold different samples (the packer's layout gives each sample its own key)."""
+        if self.closed or len(members) % BLOCK:
+            raise ValueError(f"cannot append {len(members)} bytes: not whole {BLOCK}-byte blocks, or archive closed")
+        at = self._out.pos
+        self._out.write(members)
+        return at
+
     def close(self) -> None:
         """The end of the archive as tarfile writes it: two zero blocks, then zeros up to a whole record."""
         if not self.closed:
@@ -130,6 +145,8 @@ class ShardWriter:
 
     @property
     def sha256(self) -> str:
+        if self._out.sha is None:
+            raise ValueError("this writer was made with hashed=False")
         return self._out.sha.hexdigest()
 
     @property

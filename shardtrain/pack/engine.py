@@ -3,8 +3,9 @@
     engine.scan(parts)  -> [PartScan]      runs scan.scan_part per SourcePart; records stay with the engine
     engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate-id rejects)
     engine.write(specs) -> markers         runs shard_task.write_shard per shard of the layout, any order (LocalEngine's
-                                           pool, for its last shards: its two halves, encode_slice per slice of a
-                                           shard in the workers, finish_shard in the driver)
+                                           pool, for its last shards: its two halves, spool_slice or encode_slice
+                                           per slice of a shard in the workers, ShardStream or finish_shard in
+                                           the driver)
 
 Both engines call the same task functions (scan_part, write_shard) on the same inputs; everything that decides
 bytes (listing order, keys, the sort, shard names and contents) is decided by layout.py from the scans, so the
@@ -260,25 +261,28 @@ class LocalEngine:
         """Markers of written shards, each yielded once its shard is on disk and its marker written.
 
         With the pool, the last TAIL_SHARDS x workers shards (all of them in a small pack) are cut into slices
-        of ~SLICE_BYTES of estimated audio (`slices`): the workers run shard_task.encode_slice on them (read,
-        decode check or transcode: the expensive part) and a thread here runs finish_shard once all slices of a
-        shard are back (sort, tar, sha256, fsync, marker); for a local OUTPUT that thread tars and hashes each
-        slice as soon as the slices before it are back (shard_task.ShardStream), so after the last slice only
-        its own ~2 MB, the close and the fsync are left (a one-shard pack of 2,000 files waited ~0.4 s for the
-        whole 125 MB tar there, both workers idle). The shards before go to a worker whole (write_shard,
-        leaving fsync and marker to a thread here: an fsync is a wait for the disk, ~40 ms per 16 MB, that idled
-        a worker's core). Why slices: with a task per shard a corpus of one shard ran on one core (a 2,000-file
-        pack took ~2x a 2-process decode of the same audio) and every pack ended with its last shards on fewer
-        cores than it has; sliced, every worker decodes from the first file to the last. Why only the tail: a
-        slice's samples come back pickled (one more copy of its bytes, ~0.1 s per 100 MB here) and are tarred
-        and hashed by one thread here, which whole shards do in the workers.
+        of ~SLICE_BYTES of estimated audio (`slices`): the workers encode them (read, decode check or transcode:
+        the expensive part) and a thread here finishes each shard once its slices are back (tar, sha256, fsync,
+        marker). For a local OUTPUT a worker writes its slice's tar members to a spool file (shard_task.
+        spool_slice) and the thread appends each slice to the shard's tar as soon as the slices before it are
+        in (shard_task.ShardStream), so after the last slice only its own ~2 MB, the close and the fsync are
+        left (a one-shard pack of 2,000 files waited ~0.4 s for the whole 125 MB tar there, both workers idle);
+        for a remote OUTPUT the slices come back pickled (encode_slice) and finish_shard sorts and uploads each
+        shard. The shards before the tail go to a worker whole (write_shard, leaving fsync and marker to a
+        thread here: an fsync is a wait for the disk, ~40 ms per 16 MB, that idled a worker's core). Why slices:
+        with a task per shard a corpus of one shard ran on one core (a 2,000-file pack took ~2x a 2-process
+        decode of the same audio) and every pack ended with its last shards on fewer cores than it has; sliced,
+        every worker decodes from the first file to the last. Why only the tail: a sliced shard's bytes are
+        copied once more and hashed by one thread here, which a whole shard does in its worker.
 
         The output is the same bytes: finish_shard sorts the whole shard and keeps the layout order of rejects,
-        however it was sliced. Memory here: the encoded audio of the sliced shards with a slice in flight (at
-        most 2 tasks per worker are, in layout order: one or two shards of ~target_shard_mb, or 2 x workers
-        smaller ones) plus at most `finishers` + 1 shards queued for the finishing threads (a full queue stops
-        new work); never the corpus. A remote OUTPUT gets REMOTE_FINISHERS of them (whole-shard uploads). A
-        worker that dies costs nothing: a shard without its marker is written again by the re-run."""
+        however it was sliced, and ShardStream falls back to it when a slice is out of the stored order. Memory
+        here: the slices' index rows, one slice buffer per shard being appended, and for a remote OUTPUT the
+        encoded audio of the sliced shards with a slice in flight (at most 2 tasks per worker are, in layout
+        order: one or two shards of ~target_shard_mb, or 2 x workers smaller ones) plus at most `finishers` + 1
+        shards queued for the finishing threads (a full queue stops new work); never the corpus. A remote OUTPUT
+        gets REMOTE_FINISHERS of them (whole-shard uploads). A worker that dies costs nothing: a shard without
+        its marker is written again by the re-run (a spool file it left in _work/ goes with _work/ at commit)."""
         if self.workers == 1:
             for t in (shard_task(job, s, self._record) for s in specs):
                 yield write_shard(t)
@@ -287,30 +291,38 @@ class LocalEngine:
         whole = count - TAIL_SHARDS * self.workers  # shards before this one go to a worker whole
         finishers = 1 if storage.is_local(job.output) else min(self.workers, REMOTE_FINISHERS)
 
-        def work() -> Iterator[tuple[ShardTask, int | None]]:
+        spool = finishers == 1  # local OUTPUT: slices come back as spool files (shard_task.spool_slice)
+
+        def work() -> Iterator[tuple[ShardTask, int | None, bool]]:
             for k, spec in enumerate(specs):
                 task = shard_task(job, spec, self._record, defer_sync=True)
                 if k < whole:
-                    yield task, None
+                    yield task, None, False
                     continue
                 bounds = slices(task.samples, SLICE_BYTES)
-                held = ShardStream(task, [a for a, _ in bounds]) if finishers == 1 else task
+                held = ShardStream(task, [a for a, _ in bounds]) if spool else task
                 open_shards[task.shard] = [held, len(bounds), []]
-                yield from ((replace(task, samples=task.samples[a:b]), a) for a, b in bounds)
+                yield from ((replace(task, samples=task.samples[a:b]), a, spool) for a, b in bounds)
 
         written: deque[Future] = deque()
-        # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came back
-        # are written with their markers, and a re-run writes only the rest.
-        with ThreadPoolExecutor(finishers, thread_name_prefix="pack-finish") as writer:
-            for shard, first, result in self._bounded(shard_work, work(), "writing shards"):
-                if first is None:  # a whole shard, written by its worker: fsync and marker here
-                    written.append(writer.submit(_publish, job, result))
-                else:
-                    written.extend(self._sliced(writer, job, open_shards, (shard, first, result)))
-                while written and (written[0].done() or len(written) > finishers + 1):
-                    yield written.popleft().result()  # a full queue waits here: no work is submitted meanwhile
-            while written:
-                yield written.popleft().result()
+        try:
+            # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came
+            # back are written with their markers, and a re-run writes only the rest.
+            with ThreadPoolExecutor(finishers, thread_name_prefix="pack-finish") as writer:
+                for shard, first, result in self._bounded(shard_work, work(), "writing shards"):
+                    if first is None:  # a whole shard, written by its worker: fsync and marker here
+                        written.append(writer.submit(_publish, job, result))
+                    else:
+                        written.extend(self._sliced(writer, job, open_shards, (shard, first, result)))
+                    while written and (written[0].done() or len(written) > finishers + 1):
+                        yield written.popleft().result()  # a full queue waits here: no work is submitted meanwhile
+                while written:
+                    yield written.popleft().result()
+        finally:  # a pack that stopped: the partial tars and spool files of unfinished shards (a slice still in
+            # a worker may leave one more spool file in _work/, removed with _work/ when a re-run commits)
+            for held, *_ in open_shards.values():
+                if isinstance(held, ShardStream):
+                    held.discard()
 
     @staticmethod
     def _sliced(writer: ThreadPoolExecutor, job: WriteJob, open_shards: dict, got: tuple) -> list[Future]:
@@ -321,7 +333,7 @@ class LocalEngine:
         entry[1] -= 1
         held = entry[0]
         if isinstance(held, ShardStream):
-            writer.submit(held.add, got[1], got[2])  # its errors surface in finish (the tar is dropped)
+            writer.submit(held.add, got[1], got[2])  # its errors surface in finish
         else:
             entry[2].append(got)
         if entry[1]:

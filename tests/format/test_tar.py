@@ -1,6 +1,9 @@
-"""format.tar.parse_header's fast path for the writer's own headers agrees with tarfile on damaged headers."""
+"""format.tar: parse_header's fast path for the writer's own headers agrees with tarfile on damaged headers; a
+shard assembled from parts is the shard written whole."""
 import random
 import tarfile
+
+import pytest
 
 from shardtrain.format import tar
 
@@ -39,3 +42,39 @@ def test_fast_header_path_matches_tarfile_on_mutated_headers():
         fast_taken += tar._fast_header(block) is not None
         assert _ours(block) == _tarfile_verdict(block), block
     assert fast_taken > 1000  # the fast path was exercised, not only the fallback
+
+
+def test_a_shard_assembled_from_parts_is_the_shard_written_whole():
+    """Parts written by unhashed, never-closed writers and appended in order give the same bytes, sha256 and
+    (shifted) member offsets as one writer; a part that is not whole blocks, or an append after close, is refused."""
+    import hashlib
+    import io
+
+    from shardtrain.format.tar import BLOCK, ShardWriter
+
+    samples = [(f"k{i}", "flac", bytes([i]) * (100 + 700 * i), b'{"i":%d}' % i) for i in range(5)]
+    whole = io.BytesIO()
+    with ShardWriter(whole) as w:
+        ref = [w.add(*s) for s in samples]
+    parts, offsets = [], []
+    for chunk in (samples[:2], samples[2:3], samples[3:]):
+        buf = io.BytesIO()
+        pw = ShardWriter(buf, hashed=False)
+        offsets.append([pw.add(*s) for s in chunk])
+        parts.append(buf.getvalue())
+        with pytest.raises(ValueError, match="hashed=False"):
+            pw.sha256
+    out = io.BytesIO()
+    joined = ShardWriter(out)
+    got = []
+    for part, offs in zip(parts, offsets):
+        base = joined.append(part)
+        got += [(o.offset + base, o.audio_offset + base, o.json_offset + base, o.size) for o in offs]
+    joined.close()
+    assert out.getvalue() == whole.getvalue()
+    assert joined.sha256 == w.sha256 == hashlib.sha256(whole.getvalue()).hexdigest()
+    assert got == [(o.offset, o.audio_offset, o.json_offset, o.size) for o in ref]
+    with pytest.raises(ValueError, match="whole"):
+        ShardWriter(io.BytesIO()).append(b"x" * (BLOCK + 1))
+    with pytest.raises(ValueError, match="closed"):
+        joined.append(bytes(BLOCK))

@@ -72,33 +72,65 @@ def _layout_task(corpus: Path, out: Path, reverse: bool):
                      fingerprint="f" * 64, defer_sync=True)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_shard_stream_writes_the_bytes_finish_shard_writes(six, tmp_path, reverse):
-    """Slices of two samples come back in any order: ShardStream tars them as they become contiguous (layout
-    order = stored order), or gives up on the first sample out of order (reversed layout) and sorts the whole
-    shard; the tar, its sha256, rows, rejects and marker are finish_shard's either way."""
+@pytest.mark.parametrize("order", ["sorted", "reversed", "late"])
+def test_shard_stream_writes_the_bytes_finish_shard_writes(six, tmp_path, order):
+    """Slices of two samples come back as spool files in any order: ShardStream appends them as they become
+    contiguous (layout order = stored order), or gives up on the first sample out of order (reversed layout:
+    at once; "late": after two slices were appended) and sorts the whole shard, reading the appended slices back
+    from its partial tar; the tar, its sha256, rows, rejects and marker are finish_shard's either way, and no
+    spool or temp file is left."""
     from dataclasses import replace
 
-    from shardtrain.pack.shard_task import ShardStream, encode_slice, finish_shard
+    from shardtrain.pack.shard_task import ShardStream, encode_slice, finish_shard, spool_slice
 
     marks = {}
     for name in ("ref", "stream"):
-        task = _layout_task(six, tmp_path / name, reverse)
+        task = _layout_task(six, tmp_path / name, order == "reversed")
+        if order == "late":  # the last two samples swapped: the third slice is out of order
+            task = replace(task, samples=task.samples[:4] + task.samples[4:][::-1])
         starts = list(range(0, len(task.samples), 2))
-        results = [encode_slice((replace(task, samples=task.samples[a:a + 2]), a)) for a in starts]
         if name == "ref":
-            marks[name] = finish_shard(task, results)
+            marks[name] = finish_shard(task, [encode_slice((replace(task, samples=task.samples[a:a + 2]), a))
+                                              for a in starts])
             continue
+        results = [spool_slice((replace(task, samples=task.samples[a:a + 2]), a)) for a in starts]
+        assert all(Path(r[2][0].path).stat().st_size == r[2][0].nbytes for r in results)
         stream = ShardStream(task, starts)
         for shard, first, res in (results[2], results[0], results[3], results[1]):
             stream.add(first, res)
-        assert stream.streaming is not reverse and (stream.tar is None) is reverse
-        if stream.tar is not None and sys.platform.startswith("linux"):  # the disk writes started as it went
-            assert 0 < stream.tar.flushed == stream.tar.w.bytes
+        assert stream.streaming is (order == "sorted") and sorted(stream.base) == ([] if order == "reversed" else
+                                                                                  starts[:len(stream.base)])
+        if order == "late":
+            assert sorted(stream.base) == [0, 2]  # appended before the streaming ended: read back from the tar
+        if order == "sorted" and sys.platform.startswith("linux"):  # the disk writes started as it went
+            assert stream.tar is not None and 0 < stream.tar.flushed == stream.tar.w.bytes
         marks[name] = stream.finish()
-        assert [p.name for p in (tmp_path / name / "_work").iterdir()] == []  # no temp file left behind
+        assert [p.name for p in (tmp_path / name / "_work").iterdir()] == []  # no spool or temp file left behind
     ref, got = marks["ref"], marks["stream"]
     assert [r["reason"] for r in ref["rejects"]] == ["missing_file"] and ref["info"]["samples"] == 6
     assert json.dumps(got, sort_keys=True) == json.dumps(ref, sort_keys=True)
     name = ref["info"]["name"]
     assert (tmp_path / "stream" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+
+
+def test_shard_stream_reports_a_lost_spool_file(six, tmp_path):
+    """A spool file removed before the driver appends it is an error naming it (never a shard with empty audio),
+    raised again by finish, and the partial tar and other spool files are removed."""
+    from dataclasses import replace
+
+    from shardtrain.pack.shard_task import PackError, ShardStream, spool_slice
+
+    task = _layout_task(six, tmp_path / "out", False)
+    starts = list(range(0, len(task.samples), 2))
+    results = [spool_slice((replace(task, samples=task.samples[a:a + 2]), a)) for a in starts]
+    lost = results[1][2][0].path
+    Path(lost).unlink()
+    stream = ShardStream(task, starts)
+    stream.add(0, results[0][2])
+    with pytest.raises(PackError, match="spool.* is gone"):
+        stream.add(2, results[1][2])
+    for _, first, res in results[2:]:
+        stream.add(first, res)
+    with pytest.raises(PackError, match="spool.* is gone"):
+        stream.finish()
+    assert [p.name for p in (tmp_path / "out" / "_work").iterdir()] == []
