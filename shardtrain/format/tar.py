@@ -37,6 +37,10 @@ class MemberOffsets:
     json_offset: int
     json_size: int
 
+    def __reduce__(self):  # see format/audio.py AudioInfo.__reduce__
+        return (MemberOffsets, (self.offset, self.size, self.audio_offset, self.audio_size, self.json_offset,
+                                self.json_size))
+
 
 class _HashingWriter:
     """File-like wrapper that counts and (unless `hashed` is False) sha256-hashes what passes through."""

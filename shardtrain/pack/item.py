@@ -30,6 +30,10 @@ class Item:
     extra: tuple[tuple[str, Any], ...] = ()
     """Extra manifest fields, JSON-able values, sorted by name."""
 
+    def __reduce__(self):  # see format/audio.py AudioInfo.__reduce__
+        return (Item, (self.id, self.audio, self.text, self.start_s, self.duration_s, self.speaker, self.language,
+                       self.extra))
+
 
 @dataclass(frozen=True, slots=True)
 class Reject:

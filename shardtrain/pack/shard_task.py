@@ -68,6 +68,9 @@ class SampleSpec:
     """Duration of the utterance (the segment, for a cut), the sort key."""
     est_bytes: int
 
+    def __reduce__(self):  # see format/audio.py AudioInfo.__reduce__
+        return (SampleSpec, (self.key, self.item, self.info, self.duration_s, self.est_bytes))
+
     def identity(self) -> dict:
         """Everything that shapes this sample's bytes; hashed into the dataset fingerprint."""
         it, inf = self.item, self.info

@@ -134,3 +134,26 @@ def test_shard_stream_reports_a_lost_spool_file(six, tmp_path):
     with pytest.raises(PackError, match="spool.* is gone"):
         stream.finish()
     assert [p.name for p in (tmp_path / "out" / "_work").iterdir()] == []
+
+
+def test_what_the_pool_pickles_keeps_every_field():
+    """Item, AudioInfo, SampleSpec and MemberOffsets pickle as a tuple of their fields (__reduce__, for speed): a
+    field added to the class but not to its __reduce__ would be lost, or shifted into another, on the way to a
+    worker; every field here has a value unlike its default and unlike the others."""
+    import dataclasses
+    import pickle
+
+    from shardtrain.format.audio import AudioInfo
+    from shardtrain.format.tar import MemberOffsets
+    from shardtrain.pack.item import Item
+    from shardtrain.pack.shard_task import SampleSpec
+
+    item = Item(id="a", audio="/x/a.flac", text="t", start_s=1.5, duration_s=2.5, speaker="s", language="en",
+                extra=(("k", 1),))
+    info = AudioInfo(duration_s=3.5, sample_rate_hz=16000, num_samples=56000, channels=2, codec="flac")
+    for obj in (item, info, SampleSpec(key="k", item=item, info=info, duration_s=4.5, est_bytes=7),
+                MemberOffsets(offset=1, size=2, audio_offset=3, audio_size=4, json_offset=5, json_size=6)):
+        fields = [f.name for f in dataclasses.fields(obj)]
+        assert len(obj.__reduce__()[1]) == len(fields), type(obj).__name__
+        back = pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        assert type(back) is type(obj) and [getattr(back, f) for f in fields] == [getattr(obj, f) for f in fields]
