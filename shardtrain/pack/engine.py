@@ -19,6 +19,7 @@ rename or one whole-object PUT), and an exception raised by the task itself (a -
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -152,6 +153,8 @@ class LocalEngine:
         self._pool: ProcessPoolExecutor | None = None
         self._up: threading.Event | None = None
         """Set once every pool worker has run a task (start_workers); None: not started in the background."""
+        self._frozen = False
+        """gc.freeze() was called by start_workers (undone by close)."""
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -177,6 +180,14 @@ class LocalEngine:
         ex = self._executor()
         up = self._up = threading.Event()
         if self.fork:
+            # Objects that exist now are left out of the garbage collector's passes until close (gc.freeze, as
+            # CPython's gc docs advise before a fork): a worker's first full collection otherwise walks every
+            # inherited object and so copies every page of the caller's heap. Measured here from a caller that
+            # had imported torch and lhotse (bench_pack): the scan 0.20 -> 0.10 s, the pack 0.88 -> 0.78 s. A
+            # caller that froze objects itself is left as it is (close would unfreeze them too).
+            if not gc.get_freeze_count():
+                gc.freeze()
+                self._frozen = True
             try:
                 ex.submit(int)
             except (RuntimeError, BrokenProcessPool):  # the real tasks report it
@@ -348,6 +359,9 @@ class LocalEngine:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
+        if self._frozen:  # the caller's objects are collectable again (a cycle made before the pack is freed)
+            gc.unfreeze()
+            self._frozen = False
 
 
 # ---- ray ------------------------------------------------------------------------------------------------------

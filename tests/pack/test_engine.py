@@ -156,3 +156,30 @@ def test_forked_and_forkserver_pools_write_the_same_bytes(mixed, tmp_path, monke
     assert len([n for n in ref if n.startswith("shard-")]) == 4
     assert run("fork", 2, True) == ref
     assert run("forkserver", 2, False) == ref
+
+
+def test_a_forked_pool_freezes_the_callers_objects_until_close():
+    """Before forking its pool LocalEngine moves every existing object out of the collector's passes (gc.freeze:
+    the workers' collections would otherwise copy the caller's whole heap), and close gives them back, so a
+    library caller's cycles are collected again after the pack; a forkserver pool freezes nothing, and a caller
+    that froze objects itself keeps them frozen."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    for fork in (True, False):
+        eng = engine.LocalEngine(2, fork=fork)
+        try:
+            eng.start_workers()
+            assert (gc.get_freeze_count() > 0) is fork
+        finally:
+            eng.close()
+        assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        eng = engine.LocalEngine(2, fork=True)
+        eng.start_workers()
+        eng.close()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
