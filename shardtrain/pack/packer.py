@@ -97,31 +97,43 @@ class PackResult:
 
 class _Progress:
     """The one progress bar of a pack, on the driver: items scanned, then samples written (total grows as the
-    layout becomes known), with shards and MB written in its postfix."""
+    layout becomes known), with shards and MB written in its postfix. Made at the first scanned part, and only
+    when shown: any tqdm, even a disabled one, starts tqdm's monitor thread (alive ~10 s after), and a thread
+    alive when LocalEngine forks its pool (start_workers, before the scan) would be one more owner of locks the
+    workers inherit, and makes the next pack in the same process fall back to a forkserver (packer._engine)."""
 
     def __init__(self, cfg: PackConfig) -> None:
-        self.bar = tqdm(disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True, desc="pack",
-                        unit="utt", total=0)
+        self.show = bool(cfg.progress and sys.stderr.isatty())
+        self.bar: Any = None
         self.shards = self.shards_total = self.bytes = 0
 
+    def _bar(self) -> Any:
+        if self.bar is None and self.show:
+            self.bar = tqdm(dynamic_ncols=True, desc="pack", unit="utt", total=0)
+        return self.bar
+
     def scanned(self, scan) -> None:
-        self.bar.total += scan.items
-        self.bar.update(scan.items)
+        if bar := self._bar():
+            bar.total += scan.items
+            bar.update(scan.items)
 
     def laid_out(self, samples: int, shards: int) -> None:
-        self.bar.total += samples
         self.shards_total = shards
-        self.bar.set_description("pack (write)")
-        self.bar.refresh()
+        if bar := self._bar():
+            bar.total += samples
+            bar.set_description("pack (write)")
+            bar.refresh()
 
     def written(self, marker: dict) -> None:
         self.shards += 1
         self.bytes += marker["info"]["bytes"]
-        self.bar.set_postfix_str(f"shards {self.shards}/{self.shards_total}, {self.bytes / 1e6:.0f} MB", refresh=False)
-        self.bar.update(marker["info"]["samples"] + len(marker["rejects"]))
+        if bar := self._bar():
+            bar.set_postfix_str(f"shards {self.shards}/{self.shards_total}, {self.bytes / 1e6:.0f} MB", refresh=False)
+            bar.update(marker["info"]["samples"] + len(marker["rejects"]))
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _IndexRows:

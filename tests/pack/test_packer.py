@@ -375,3 +375,24 @@ def test_pool_pack_publishes_every_marker_before_commit(corpus, tmp_path, monkey
     r = _pack(corpus, tmp_path / "out", workers=2)
     assert sorted(s for s, _ in seen) == list(range(r.shards)) and r.shards > 2
     assert all(on_disk for _, on_disk in seen)
+
+
+def test_a_pack_without_a_progress_bar_starts_no_tqdm(corpus, tmp_path):
+    """No bar shown, no tqdm made: any tqdm starts tqdm's monitor thread, which outlives the pack by ~10 s and
+    made the next pack in the same process (a benchmark, a notebook) fall back from a forked pool to a
+    forkserver. Run in a fresh interpreter (the suite's own threads would hide it)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, threading
+from shardtrain.pack import packer
+from shardtrain.pack.packer import PackConfig
+cfg = PackConfig(input={str(corpus)!r}, output={str(tmp_path / "out")!r}, workers=2, progress=False)
+assert packer.pack(cfg).samples > 0
+print(sorted(t.name for t in threading.enumerate()))
+print(packer._engine(cfg).fork is sys.platform.startswith("linux"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["['MainThread']", "True"]
