@@ -135,6 +135,22 @@ def shard_paths(ds: Path) -> list[str]:
     return [str(ds / s["name"]) for s in m["shards"]]
 
 
+def warm_page_cache(*folders: Path) -> int:
+    """Read every file below `folders` once (returns the bytes read), so each measured run starts from the same warm
+    page cache. Why: this VM's host reclaims idle page cache within seconds (kdamond; 103 -> 65 MB of a 122 MB
+    corpus resident after 20 s idle), so a run whose input was last read a while ago (the first tool of a round, a
+    tool reading other files than the one before it) read part of it from the disk, and the ratios measured the
+    reclaim, not the tools."""
+    n = 0
+    for folder in folders:
+        for p in sorted(Path(folder).rglob("*")):
+            if p.is_file():
+                with open(p, "rb", buffering=0) as f:
+                    while b := f.read(1 << 20):
+                        n += len(b)
+    return n
+
+
 def upload_dir(s3, local: Path, bucket: str, prefix: str) -> str:
     """Copy every file of `local` to s3://bucket/prefix/ (flat) and return that URL."""
     url = s3.make_bucket(bucket)

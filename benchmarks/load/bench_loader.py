@@ -180,6 +180,8 @@ class Targets:
 
     def __init__(self, ds: Path, storages: list[str], work_dir: Path, shar: Path | None = None):
         self.ds, self.shar, self.s3, self.env = ds, shar, None, {}
+        self.warm: list[Path] = [ds] + ([shar] if shar is not None else [])
+        """What every run reads (the S3 server's data folder too, when there is one): read before each run."""
         self.kw: dict[tuple[str, str], dict] = {}
         shards = common.shard_paths(ds)
         self.kw[("shardtrain", "local")] = {"url": str(ds)}
@@ -191,6 +193,7 @@ class Targets:
 
             self._tmp = tempfile.TemporaryDirectory(prefix="s3-", dir=work_dir)
             self.s3 = LocalS3(Path(self._tmp.name) / "data").start()
+            self.warm.append(Path(self._tmp.name) / "data")
             t0 = time.perf_counter()
             url = common.upload_dir(self.s3, ds, "bench", "ds")
             self.kw[("shardtrain", "s3")] = {"url": url, "storage_options": self.s3.storage_options}
@@ -229,7 +232,9 @@ def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_
     `tool_workers` overrides `workers_list` per tool (compare.py adds shardtrain's own default, 0 workers).
 
     Repeats are the outer loop and the limit is measured inside it, so slow phases of a shared machine spread
-    over every tool and over the ceiling alike instead of landing on one of them.
+    over every tool and over the ceiling alike instead of landing on one of them. Every run starts with all
+    inputs read once (common.warm_page_cache: this VM reclaims idle page cache within seconds, which hit most the
+    tool that reads files the run before it did not, lhotse's Shar).
     """
     runs: dict[tuple[str, str, int], list[dict]] = {}
     limit_runs: dict[tuple[int, str], list[dict]] = {}
@@ -237,6 +242,7 @@ def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_
     for rep in range(repeats):
         for procs, decoder in ((cores, "soundfile"), (cores, "libsndfile"), (cores, "decode_into"),
                                (1, "soundfile")):
+            common.warm_page_cache(*targets.warm)
             r = common.run_isolated("bench_loader", "run_decode_limit",
                                     {"paths": common.shard_paths(targets.ds), "processes": procs, "decoder": decoder,
                                      "epochs": common_kw.get("decode-limit", {}).get("epochs", 1)})
@@ -250,6 +256,7 @@ def run_matrix(targets: Targets, tools: list[str], storages: list[str], workers_
                         continue
                     script, func = RUNNERS[tool]
                     kw = {**targets.kw[(tool, storage)], **common_kw.get(tool, {}), "workers": workers}
+                    common.warm_page_cache(*targets.warm)
                     r = common.run_isolated(script, func, kw, env=targets.env)
                     r.update(tool=tool, storage=storage, workers=workers, rep=rep)
                     runs.setdefault((tool, storage, workers), []).append(r)

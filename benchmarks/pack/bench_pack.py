@@ -14,9 +14,9 @@ same corpus, same interleaved run.
        the issue sets goals for (pack / decode-only, pack --no-decode-check / webdataset), then their medians;
        the 1-minute load average at each round's start and end. JSON (stdout, and --out) + a table.
 
-Every tool writes to a fresh folder on local disk and starts with the corpus read once (warm_page_cache: this VM
-reclaims idle page cache within seconds); wall time includes each tool's own metadata work; library imports
-happen before any timing (pack itself imports no pandas: its index is built from Arrow buffers, so pyarrow's lazy
+Every tool writes to a fresh folder on local disk and starts with the corpus read once (common.warm_page_cache:
+this VM reclaims idle page cache within seconds); wall time includes each tool's own metadata work; library
+imports happen before any timing (pack itself imports no pandas: its index is built from Arrow buffers, so pyarrow's lazy
 pandas import never happens; tests/cli/test_app.py). On a shared machine only the ratios within one round mean
 anything.
 Run (the figures in the README):
@@ -165,24 +165,10 @@ def run_lhotse(corpus: Path, out: Path, workers: int, shard_size: int) -> dict:
             "bytes": _dir_bytes(out), "shards": len(list(out.glob("recording.*.tar"))), "probe_s": probe_s}
 
 
-def warm_page_cache(corpus: Path) -> int:
-    """Read every file of the corpus once (bytes read), so each tool starts from the same warm page cache. Why:
-    this VM's host reclaims idle page cache within seconds (kdamond; 103 -> 65 MB of a 122 MB corpus resident
-    after 20 s idle), so without it the tool that runs first in a round, or after a pause, reads part of its
-    input from the disk and the ratios measured the reclaim, not the tools."""
-    n = 0
-    for p in corpus.rglob("*"):
-        if p.is_file():
-            with open(p, "rb", buffering=0) as f:
-                while b := f.read(1 << 20):
-                    n += len(b)
-    return n
-
-
 def _run_tool(tool: str, args, corpus: Path, root: Path, workers: int, n_files: int, in_bytes: int) -> dict:
     out = root / f"out-{tool}-{workers}"
     shutil.rmtree(out, ignore_errors=True)
-    warm_page_cache(corpus)
+    common.warm_page_cache(corpus)
     try:
         if tool.startswith("shardtrain"):  # "-nocheck": without the full decode of kept audio; "-ray": Ray engine
             return run_shardtrain(corpus, out, workers, args.target_shard_mb, not tool.endswith("-nocheck"),
