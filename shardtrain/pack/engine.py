@@ -299,28 +299,14 @@ class LocalEngine:
                 yield write_shard(t)
             return
         open_shards: dict[int, list] = {}  # shard -> [task or ShardStream, slices left, slice results]
-        whole = count - TAIL_SHARDS * self.workers  # shards before this one go to a worker whole
         finishers = 1 if storage.is_local(job.output) else min(self.workers, REMOTE_FINISHERS)
-
-        spool = finishers == 1  # local OUTPUT: slices come back as spool files (shard_task.spool_slice)
-
-        def work() -> Iterator[tuple[ShardTask, int | None, bool]]:
-            for k, spec in enumerate(specs):
-                task = shard_task(job, spec, self._record, defer_sync=True)
-                if k < whole:
-                    yield task, None, False
-                    continue
-                bounds = slices(task.samples, SLICE_BYTES)
-                held = ShardStream(task, [a for a, _ in bounds]) if spool else task
-                open_shards[task.shard] = [held, len(bounds), []]
-                yield from ((replace(task, samples=task.samples[a:b]), a, spool) for a, b in bounds)
-
+        work = self._work(job, specs, count - TAIL_SHARDS * self.workers, open_shards, spool=finishers == 1)
         written: deque[Future] = deque()
         try:
             # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came
             # back are written with their markers, and a re-run writes only the rest.
             with ThreadPoolExecutor(finishers, thread_name_prefix="pack-finish") as writer:
-                for shard, first, result in self._bounded(shard_work, work(), "writing shards"):
+                for shard, first, result in self._bounded(shard_work, work, "writing shards"):
                     if first is None:  # a whole shard, written by its worker: fsync and marker here
                         written.append(writer.submit(_publish, job, result))
                     else:
@@ -334,6 +320,20 @@ class LocalEngine:
             for held, *_ in open_shards.values():
                 if isinstance(held, ShardStream):
                     held.discard()
+
+    def _work(self, job: WriteJob, specs: Iterable[ShardSpec], whole: int, open_shards: dict,
+              spool: bool) -> Iterator[tuple[ShardTask, int | None, bool]]:
+        """shard_work's jobs in layout order: the first `whole` shards whole, the rest as slices (registered in
+        `open_shards`); `spool` (a local OUTPUT): slices come back as spool files (shard_task.spool_slice)."""
+        for k, spec in enumerate(specs):
+            task = shard_task(job, spec, self._record, defer_sync=True)
+            if k < whole:
+                yield task, None, False
+                continue
+            bounds = slices(task.samples, SLICE_BYTES)
+            held = ShardStream(task, [a for a, _ in bounds]) if spool else task
+            open_shards[task.shard] = [held, len(bounds), []]
+            yield from ((replace(task, samples=task.samples[a:b]), a, spool) for a, b in bounds)
 
     @staticmethod
     def _sliced(writer: ThreadPoolExecutor, job: WriteJob, open_shards: dict, got: tuple) -> list[Future]:
