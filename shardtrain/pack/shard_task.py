@@ -161,16 +161,20 @@ class SpooledSlice:
 
     path: str
     nbytes: int
-    members: list[tuple[int, Any, MemberOffsets]]
+    members: list[tuple[int, AudioInfo, MemberOffsets]]
     """(position in the slice, stored AudioInfo, offsets within the spool file) per encoded sample, slice order."""
 
 
 def spool_path(task: ShardTask, first: int) -> str:
     """Local path of the spool file of the slice of shard `task.shard` starting at `first` (in OUTPUT/_work)."""
+    return os.path.join(_local_work_dir(task), f"{_tar_name(task.shard)}.{first:06d}.spool")
+
+
+def _local_work_dir(task: ShardTask) -> str:
+    """OUTPUT/_work of a local OUTPUT, as a path: where temp tars and spool files live until renamed or removed."""
     from shardtrain import storage
 
-    _, work_dir = storage.fs_and_path(storage.join(task.output, "_work"), task.storage_options)
-    return os.path.join(work_dir, f"{_tar_name(task.shard)}.{first:06d}.spool")
+    return storage.fs_and_path(storage.join(task.output, "_work"), task.storage_options)[1]
 
 
 def spool_slice(job: tuple[ShardTask, int]) -> tuple[int, int, tuple]:
@@ -181,10 +185,8 @@ def spool_slice(job: tuple[ShardTask, int]) -> tuple[int, int, tuple]:
     driver ~0.2 s of CPU per 125 MB beside the tar and hash (a one-shard pack of 2,000 files on 2 cores, where
     the driver's CPU is taken from the decoding); a spool file is written once here (into the page cache: it is
     removed before the kernel writes it back) and read once by the driver into a reused buffer."""
-    task, first = job
-    if first == 0:
-        faults.point("pack.shard", task.shard, once_marker=_fault_marker(task))
-    ok, rejects, clipped = _encode_all(task)
+    task = job[0]
+    _, first, (ok, rejects, clipped) = encode_slice(job)
     path = spool_path(task, first)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     members = []
@@ -460,7 +462,7 @@ class _TarOut:
         self.task, self.name = task, _tar_name(task.shard)
         self.rows: list[dict] = []
         if storage.is_local(task.output):
-            _, work_dir = storage.fs_and_path(storage.join(task.output, "_work"), task.storage_options)
+            work_dir = _local_work_dir(task)
             os.makedirs(work_dir, exist_ok=True)
             fd, self.tmp = tempfile.mkstemp(prefix=self.name + ".", suffix=".tmp", dir=work_dir)
         else:
