@@ -299,8 +299,9 @@ class LocalEngine:
                 yield write_shard(t)
             return
         open_shards: dict[int, list] = {}  # shard -> [task or ShardStream, slices left, slice results]
-        finishers = 1 if storage.is_local(job.output) else min(self.workers, REMOTE_FINISHERS)
-        work = self._work(job, specs, count - TAIL_SHARDS * self.workers, open_shards, spool=finishers == 1)
+        local = storage.is_local(job.output)
+        finishers = 1 if local else min(self.workers, REMOTE_FINISHERS)
+        work = self._work(job, specs, count - TAIL_SHARDS * self.workers, open_shards, spool=local)
         written: deque[Future] = deque()
         try:
             # Leaving the `with` (an error included) waits for the queued shards: shards whose slices all came
@@ -356,12 +357,14 @@ class LocalEngine:
 
     def close(self) -> None:
         self._records.clear()
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
-        if self._frozen:  # the caller's objects are collectable again (a cycle made before the pack is freed)
-            gc.unfreeze()
-            self._frozen = False
+        try:
+            if self._pool is not None:
+                self._pool.shutdown(cancel_futures=True)
+                self._pool = None
+        finally:
+            if self._frozen:  # the caller's objects are collectable again (a cycle made before the pack is freed)
+                gc.unfreeze()
+                self._frozen = False
 
 
 # ---- ray ------------------------------------------------------------------------------------------------------

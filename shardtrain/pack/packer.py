@@ -113,13 +113,13 @@ class _Progress:
         return self.bar
 
     def scanned(self, scan) -> None:
-        if bar := self._bar():
+        if (bar := self._bar()) is not None:  # not truthiness: a tqdm is falsy while its total is 0
             bar.total += scan.items
             bar.update(scan.items)
 
     def laid_out(self, samples: int, shards: int) -> None:
         self.shards_total = shards
-        if bar := self._bar():
+        if (bar := self._bar()) is not None:
             bar.total += samples
             bar.set_description("pack (write)")
             bar.refresh()
@@ -127,7 +127,7 @@ class _Progress:
     def written(self, marker: dict) -> None:
         self.shards += 1
         self.bytes += marker["info"]["bytes"]
-        if bar := self._bar():
+        if (bar := self._bar()) is not None:
             bar.set_postfix_str(f"shards {self.shards}/{self.shards_total}, {self.bytes / 1e6:.0f} MB", refresh=False)
             bar.update(marker["info"]["samples"] + len(marker["rejects"]))
 

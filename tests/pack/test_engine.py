@@ -183,3 +183,24 @@ def test_a_forked_pool_freezes_the_callers_objects_until_close():
         assert gc.get_freeze_count() > frozen // 2  # still frozen (the count drops as frozen objects are freed)
     finally:
         gc.unfreeze()
+
+
+def test_close_unfreezes_the_callers_objects_even_when_the_pool_shutdown_is_interrupted(monkeypatch):
+    """A Ctrl-C while close waits for the pool must not leave the caller's objects frozen for the rest of the
+    process (later engines see a frozen heap and never unfreeze it). Fault injected: shutdown interrupted."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    eng = engine.LocalEngine(2, fork=True)
+    eng.start_workers()
+    pool = eng._pool
+    real = pool.shutdown
+
+    def interrupted(*a, **kw):
+        real(*a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool, "shutdown", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.close()
+    assert gc.get_freeze_count() == 0

@@ -396,3 +396,22 @@ print(packer._engine(cfg).fork is sys.platform.startswith("linux"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["['MainThread']", "True"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_shown_progress_bar_counts_scanned_and_written_samples(corpus, tmp_path, monkeypatch):
+    """On a terminal the bar counts the scan, then the samples written, with shards and MB in its postfix. (It
+    once tested the bar for truth: a tqdm is falsy while its total is 0, so the shown bar never moved.)"""
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    r = _pack(corpus, tmp_path / "out", workers=2, progress=True)
+    text = term.getvalue()
+    n = len(DURS)
+    assert r.samples == n
+    assert "pack (write)" in text
+    assert f"{2 * n}/{2 * n}" in text  # the scan's items, then the samples written
+    assert f"shards {r.shards}/{r.shards}" in text
