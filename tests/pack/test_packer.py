@@ -406,8 +406,11 @@ class _Terminal(io.StringIO):
 def test_a_shown_progress_bar_counts_scanned_and_written_samples(corpus, tmp_path, monkeypatch):
     """On a terminal the bar counts the scan, then the samples written, with shards and MB in its postfix. (It
     once tested the bar for truth: a tqdm is falsy while its total is 0, so the shown bar never moved.)"""
+    from tqdm import tqdm
+
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
+    monkeypatch.setattr(tqdm, "monitor_interval", 0)  # no monitor thread outliving the test (later packs fork)
     r = _pack(corpus, tmp_path / "out", workers=2, progress=True)
     text = term.getvalue()
     n = len(DURS)
