@@ -1,5 +1,3 @@
-import sys
+from shardtrain.cli.app import run
 
-from shardtrain.cli.app import main
-
-sys.exit(main())
+run()

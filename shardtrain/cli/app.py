@@ -37,9 +37,45 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. The one error handler of the CLI: an error the user can act on is one line on stderr and
     the exit status of `common.exit_code` (the same for every command); a bug keeps its traceback."""
+    args = build_parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
+    return _run(args)
+
+
+def run() -> None:
+    """The process entry point (the `shardtrain` script, `python -m shardtrain`, torchrun's workers): `main`, then
+    the exit. A `train` process leaves without tearing the interpreter down (`_leave`): in teardown, threads of
+    torch's gloo process group (still running after destroy_process_group) and Arrow's IO threads can end a
+    finished run with std::terminate ("terminate called without an active exception", SIGABRT; seen in one full
+    test run's 3-rank job of tests/integration/test_train_elastic.py, not on reruns), and torchrun then reports the
+    job as failed after its last checkpoint was written. Other commands exit normally."""
+    args = build_parser().parse_args()
+    rc = _run(args)
+    if args.command == "train":
+        _leave(rc)
+    sys.exit(rc)
+
+
+def _leave(rc: int) -> None:
+    """Exit now with `rc`, after what a normal exit would still do for us: atexit handlers (logging's flush among
+    them) and the standard streams. Interpreter teardown (module and C++ static destruction) is skipped; the
+    process's remaining threads are all idle daemons or pool workers of a finished run."""
+    import atexit
+    import os
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(rc)
+
+
+def _run(args: argparse.Namespace) -> int:
     from shardtrain.format.safe import printable
 
-    args = build_parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
     init_logging(0, args.verbose)
     try:
         return int(args.func(args) or 0)
@@ -63,4 +99,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
