@@ -451,7 +451,8 @@ def _tar_name(shard: int) -> str:
 
 
 class _TarOut:
-    """A shard's tar being written: a temp file (OUTPUT/_work locally, the system temp folder for a remote OUTPUT)
+    """A shard's tar being written: a temp file (OUTPUT/_work locally, this user's private temp folder for a remote OUTPUT:
+    storage.private.temp_file, which sweeps what killed packs left there)
     through a ShardWriter, and the index row of each sample added. `commit` closes it, fsyncs it (unless
     `defer_sync`: publish_marker does), publishes it atomically (rename, or one whole-object upload) and returns
     (index rows, bytes, sha256); `abort` removes the temp file (a no-op after commit)."""
@@ -466,7 +467,9 @@ class _TarOut:
             os.makedirs(work_dir, exist_ok=True)
             fd, self.tmp = tempfile.mkstemp(prefix=self.name + ".", suffix=".tmp", dir=work_dir)
         else:
-            fd, self.tmp = tempfile.mkstemp(prefix=self.name + ".", suffix=".tmp")
+            from shardtrain.storage.private import temp_file
+
+            fd, self.tmp = temp_file(self.name, ".tmp")
         self.f = os.fdopen(fd, "wb")
         self.w = ShardWriter(self.f)
         self.flushed = 0

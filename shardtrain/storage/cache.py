@@ -25,7 +25,7 @@ import stat
 import threading
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from shardtrain.storage.private import private_dir
+from shardtrain.storage.private import pid_gone, private_dir
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -141,7 +141,7 @@ class ShardCache:
             files = []
             for n in os.listdir(self.root):
                 p = os.path.join(self.root, n)
-                if ".tar.tmp" in n and _dead(n.rsplit(".tmp", 1)[1].split(".")[0]):
+                if ".tar.tmp" in n and _gone(n.rsplit(".tmp", 1)[1].split(".")[0]):
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(p)
                 elif n.endswith(".tar"):
@@ -159,14 +159,7 @@ class ShardCache:
                     os.remove(victim)
 
 
-def _dead(pid: str) -> bool:
-    """True when `pid` names no running process (a download temp file it left can go)."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, OverflowError):
-        return False
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+
+def _gone(pid: str) -> bool:
+    """True when a download temp file's `pid` names no running process (the file can go)."""
+    return pid.isdigit() and pid_gone(int(pid))

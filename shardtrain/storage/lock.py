@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from shardtrain.storage import fs as _fs
+from shardtrain.storage.private import pid_gone
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +201,4 @@ def _stale(holder: dict | None) -> bool:
         return True
     if not holder or holder.get("host") != socket.gethostname() or type(holder.get("pid")) is not int:
         return False
-    try:
-        os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return pid_gone(holder["pid"])

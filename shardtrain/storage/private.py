@@ -15,11 +15,14 @@ Cost: one lstat per folder (plus a mkdir and an fstat the first time): microseco
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,49 @@ def user_dir(*parts: str, setting: str = "") -> Path:
             p = private_dir(p / part, setting=setting)
         return p
     raise PrivateDirError(" and ".join(errors))
+
+
+STALE_TEMP_S = 600.0
+"""A temp file of a process that is gone is removed once untouched this long: a pid can be reused by another
+pid namespace sharing the temp folder (containers), whose live writer keeps its file's mtime fresh."""
+
+
+def temp_file(prefix: str, suffix: str) -> tuple[int, str]:
+    """(fd, path) of a new file in user_dir("tmp") (mkstemp: 0600, never an existing name) whose name carries this
+    process's pid: `<prefix>.pid<pid>.<random><suffix>`. The caller removes it; a process killed first (SIGKILL, OOM)
+    cannot, so files there of processes that are gone are swept first (one listdir; what a killed S3 pack
+    leaves is up to a whole shard, ~125 MB, per worker)."""
+    folder = user_dir("tmp")
+    _sweep_orphans(folder)
+    return tempfile.mkstemp(prefix=f"{prefix}.pid{os.getpid()}.", suffix=suffix, dir=folder)
+
+
+_PID = re.compile(r"\.pid(\d+)\.")
+
+
+def _sweep_orphans(folder: Path) -> None:
+    now = time.time()
+    for n in os.listdir(folder):
+        m = _PID.search(n)
+        if m is None or not pid_gone(int(m[1])):
+            continue
+        p = folder / n
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+            if now - p.lstat().st_mtime > STALE_TEMP_S:
+                p.unlink()
+                log.info("removed %s, a temp file of process %s, which is gone", p, m[1])
+
+
+def pid_gone(pid: int) -> bool:
+    """True when `pid` names no running process (what it left behind can go); False when it runs or is not ours
+    to signal."""
+    try:
+        os.kill(pid, 0)
+    except (OverflowError, PermissionError):
+        return False
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def remove_own_tree(path: str | os.PathLike) -> None:

@@ -47,7 +47,6 @@ import io
 import pickle
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -55,7 +54,7 @@ from typing import Callable
 import torch
 
 from shardtrain import storage
-from shardtrain.storage.private import private_dir, user_dir
+from shardtrain.storage.private import private_dir, temp_file, user_dir
 from shardtrain.world import World
 
 log = logging.getLogger(__name__)
@@ -263,8 +262,9 @@ def _commit_local(root: Path, tmp: Path, final: Path, parts: CheckpointParts, wo
 def _upload(obj: object, url: str, storage_options: dict | None) -> None:
     """torch.save to a local temp file, then one upload (multipart above s3fs's block size): no second copy of a
     large model in memory, and the object appears only once complete. The temp file is this user's (mkstemp in
-    the private folder: 0600, never an existing name) and is removed whatever happens."""
-    fd, tmp = tempfile.mkstemp(prefix="ckpt-", suffix=".pt", dir=user_dir("tmp"))
+    the private folder: 0600, never an existing name) and is removed whatever happens (by a later save when the
+    process was killed: storage.private.temp_file)."""
+    fd, tmp = temp_file("ckpt", ".pt")
     os.close(fd)
     try:
         torch.save(obj, tmp)

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from shardtrain.format.manifest import open_dataset
 from shardtrain.load.mapped import default_root, open_mapped
 from shardtrain.storage.cache import ShardCache
+from shardtrain.storage import private
 from shardtrain.storage.private import PrivateDirError, private_dir, user_dir
 from shardtrain.train import checkpoint as ckpt
 
@@ -114,3 +116,32 @@ def test_default_folders_are_private_and_bypass_a_squatter(other_user, shared, t
         assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
         assert not root.is_symlink() or os.readlink(root) == str(victim)
         assert root.is_symlink() or list(root.iterdir()) == []
+
+
+# ---- temp files a killed process leaves (temp_file) -----------------------------------------------------------
+def _gone_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_temp_file_sweeps_old_files_of_processes_that_are_gone_and_keeps_the_rest(tmp_path, monkeypatch):
+    """A killed S3 pack or checkpoint upload leaves up to a shard (~125 MB) in the temp folder; the next temp_file
+    removes it, but not a live process's file, a fresh one (a pid reused in another namespace) or a foreign name."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = user_dir("tmp")
+    old = time.time() - private.STALE_TEMP_S - 60
+    gone = _gone_pid()
+    names = {"orphan": f"shard-000003.tar.pid{gone}.ab_c1.tmp", "fresh": f"ckpt.pid{gone}.xyz.pt",
+             "alive": f"shard-000004.tar.pid{os.getpid()}.qq.tmp", "foreign": "notes.txt"}
+    for key, n in names.items():
+        (folder / n).write_bytes(b"x" * 10)
+        if key != "fresh":
+            os.utime(folder / n, (old, old))
+    fd, path = private.temp_file("shard-000007.tar", ".tmp")
+    os.close(fd)
+    left = sorted(os.listdir(folder))
+    assert Path(path).parent == folder and Path(path).name.startswith(f"shard-000007.tar.pid{os.getpid()}.")
+    assert names["orphan"] not in left
+    assert {names["fresh"], names["alive"], names["foreign"], Path(path).name} == set(left)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
