@@ -16,10 +16,12 @@ Cost: one lstat per folder (plus a mkdir and an fstat the first time): microseco
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import tempfile
 import time
@@ -109,22 +111,27 @@ pid namespace sharing the temp folder (containers), whose live writer keeps its 
 
 def temp_file(prefix: str, suffix: str) -> tuple[int, str]:
     """(fd, path) of a new file in user_dir("tmp") (mkstemp: 0600, never an existing name) whose name carries this
-    process's pid: `<prefix>.pid<pid>.<random><suffix>`. The caller removes it; a process killed first (SIGKILL, OOM)
-    cannot, so files there of processes that are gone are swept first (one listdir; what a killed S3 pack
-    leaves is up to a whole shard, ~125 MB, per worker)."""
+    process's pid and host: `<prefix>.pid<pid>-<host hash>.<random><suffix>`. The caller removes it; a process killed
+    first (SIGKILL, OOM) cannot, so files there of this host's processes that are gone are swept first (one
+    listdir; what a killed S3 pack leaves is up to a whole shard, ~125 MB, per worker). The host is in the name
+    because the folder may be shared (TMPDIR or the home cache on NFS), where another host's pids mean nothing."""
     folder = user_dir("tmp")
     _sweep_orphans(folder)
-    return tempfile.mkstemp(prefix=f"{prefix}.pid{os.getpid()}.", suffix=suffix, dir=folder)
+    return tempfile.mkstemp(prefix=f"{prefix}.pid{os.getpid()}-{_host_tag()}.", suffix=suffix, dir=folder)
 
 
-_PID = re.compile(r"\.pid(\d+)\.")
+_PID = re.compile(r"\.pid(\d+)-([0-9a-f]{8})\.")
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def _sweep_orphans(folder: Path) -> None:
     now = time.time()
     for n in os.listdir(folder):
         m = _PID.search(n)
-        if m is None or not pid_gone(int(m[1])):
+        if m is None or m[2] != _host_tag() or not pid_gone(int(m[1])):
             continue
         p = folder / n
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove

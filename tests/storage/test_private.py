@@ -127,13 +127,16 @@ def _gone_pid() -> int:
 
 def test_temp_file_sweeps_old_files_of_processes_that_are_gone_and_keeps_the_rest(tmp_path, monkeypatch):
     """A killed S3 pack or checkpoint upload leaves up to a shard (~125 MB) in the temp folder; the next temp_file
-    removes it, but not a live process's file, a fresh one (a pid reused in another namespace) or a foreign name."""
+    removes it, but not a live process's file, a fresh one (a pid reused in another namespace), another host's
+    (a shared folder) or a foreign name."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     folder = user_dir("tmp")
     old = time.time() - private.STALE_TEMP_S - 60
     gone = _gone_pid()
-    names = {"orphan": f"shard-000003.tar.pid{gone}.ab_c1.tmp", "fresh": f"ckpt.pid{gone}.xyz.pt",
-             "alive": f"shard-000004.tar.pid{os.getpid()}.qq.tmp", "foreign": "notes.txt"}
+    host = private._host_tag()
+    names = {"orphan": f"shard-000003.tar.pid{gone}-{host}.ab_c1.tmp", "fresh": f"ckpt.pid{gone}-{host}.xyz.pt",
+             "alive": f"shard-000004.tar.pid{os.getpid()}-{host}.qq.tmp", "foreign": "notes.txt",
+             "other_host": f"shard-000005.tar.pid{gone}-{'0' * 8 if host != '0' * 8 else '1' * 8}.zz.tmp"}
     for key, n in names.items():
         (folder / n).write_bytes(b"x" * 10)
         if key != "fresh":
@@ -141,7 +144,7 @@ def test_temp_file_sweeps_old_files_of_processes_that_are_gone_and_keeps_the_res
     fd, path = private.temp_file("shard-000007.tar", ".tmp")
     os.close(fd)
     left = sorted(os.listdir(folder))
-    assert Path(path).parent == folder and Path(path).name.startswith(f"shard-000007.tar.pid{os.getpid()}.")
+    assert Path(path).parent == folder and Path(path).name.startswith(f"shard-000007.tar.pid{os.getpid()}-{host}.")
     assert names["orphan"] not in left
-    assert {names["fresh"], names["alive"], names["foreign"], Path(path).name} == set(left)
+    assert {names["fresh"], names["alive"], names["foreign"], names["other_host"], Path(path).name} == set(left)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
