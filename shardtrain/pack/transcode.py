@@ -194,7 +194,7 @@ def _downmix(x: np.ndarray, where: str) -> np.ndarray:
     mixed_ms = float(np.mean(np.square(mixed, dtype=np.float64)))
     if channels_ms > _AUDIBLE_RMS ** 2 and mixed_ms < channels_ms * 10 ** (CANCELLED_MIX_DB / 10):
         raise AudioError("cancelled_downmix", f"{where}: the mean of its {x.shape[1]} channels is "
-                                              f"{10 * np.log10(max(mixed_ms, 1e-30) / channels_ms):.0f} dB below "
+                                              f"{10 * np.log10(max(mixed_ms, 1e-30) / channels_ms):.0f} dB relative to "
                                               "the channels (opposite polarity?); pack one channel with "
                                               "--channels-policy first or an index")
     return mixed
