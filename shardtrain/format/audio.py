@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class AudioError(Exception):
     """Audio that cannot be packed. `reason` is a snake_case code: missing_file, empty_audio, unreadable_audio,
     truncated_audio, segment_out_of_range, unsupported_channels, unreliable_mp3_length, non_finite_audio,
-    clipped_audio."""
+    clipped_audio, cancelled_downmix."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")

@@ -41,7 +41,8 @@ class AudioTarget:
     the length the header claims (tailcheck: ~0.05 ms)."""
     channel_policy: str = "mix"
     """How a multi-channel input becomes the mono a 1-channel target stores (`--channels-policy`): "mix" averages
-    the channels (a recording with speech on one side only loses 6 dB), "first" keeps channel 0, "<index>" keeps
+    the channels (a recording with speech on one side only loses 6 dB; channels in opposite polarity, whose mean
+    is 30 dB or more below them, are rejected: `cancelled_downmix`), "first" keeps channel 0, "<index>" keeps
     that channel (an input with fewer channels is rejected, `missing_channel`). Picking a channel copies its
     16-bit samples exactly when no resampling is needed."""
     max_clipped_share: float = 0.01

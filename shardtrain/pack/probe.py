@@ -13,6 +13,13 @@ silently. So `probe` walks the MP3 frame headers (no decode; ~the cost of readin
 `AudioError` when the walked length and libsndfile's length disagree by more than a few frames: "truncated_audio"
 when the file holds less than the tag promises, "unreliable_mp3_length" when it holds more than libsndfile
 would decode.
+
+WAV lengths: libsndfile takes a RIFF/WAVE file's length from the bytes present, not from its `data` chunk's size,
+so a WAV cut short (an interrupted copy) opened as a shorter, valid file: half the audio stored under the whole
+transcript, silently. So `probe` reads the `data` chunk's declared size (PCM, float, A-law and mu-law, whose
+frames have a fixed size) and raises "truncated_audio" when the file holds fewer frames than it declares. The
+placeholder sizes streaming writers leave (0, 0xFFFFFFFF, >= 0x7FFF0000: ffmpeg or sox writing to a pipe) say
+nothing about the length and are not checked.
 """
 from __future__ import annotations
 
@@ -153,6 +160,9 @@ def probe(path: str, storage_options: dict | None = None) -> AudioInfo:
                                                f"(more than {MAX_FRAMES_PER_BYTE} per byte)")
     if codec == "mp3":
         _check_mp3_length(path, data if data is not None else read_audio_bytes(path, storage_options), frames)
+    if codec == "wav" and getattr(info, "subtype", None) in _WAV_SAMPLE_BYTES:
+        _check_wav_length(path, src if data is None else io.BytesIO(data), frames,
+                          int(info.channels) * _WAV_SAMPLE_BYTES[info.subtype])
     return AudioInfo(duration_s=frames / rate, sample_rate_hz=rate, num_samples=frames, channels=int(info.channels),
                      codec=codec)
 
@@ -177,6 +187,45 @@ def _flac_streaminfo(path: str) -> _StreamInfo | None:
     if not rate or not total or bits not in (8, 16, 24):
         return None
     return _StreamInfo(total, rate, channels)
+
+
+_WAV_SAMPLE_BYTES = {"PCM_U8": 1, "PCM_S8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8,
+                     "ALAW": 1, "ULAW": 1}
+"""Bytes per sample of the WAV subtypes whose frames have a fixed size (the ones the length check applies to)."""
+_WAV_HEAD_BYTES = 1 << 16
+"""How far into a WAV the `data` chunk header is looked for (past that, e.g. a huge LIST chunk: not checked)."""
+_WAV_UNKNOWN_SIZE = 0x7FFF0000
+"""A `data` size from here up (or 0) is a streaming writer's placeholder, not a length."""
+
+
+def wav_declared_bytes(head: bytes) -> int | None:
+    """The size a RIFF/WAVE header's `data` chunk declares, None when `head` is not RIFF/WAVE, the chunk does not
+    start inside it, or the size is a streaming writer's placeholder."""
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    pos = 12
+    while pos + 8 <= len(head):
+        size = int.from_bytes(head[pos + 4:pos + 8], "little")
+        if head[pos:pos + 4] == b"data":
+            return None if size == 0 or size >= _WAV_UNKNOWN_SIZE else size
+        pos += 8 + size + (size & 1)
+    return None
+
+
+def _check_wav_length(path: str, src: Any, frames: int, frame_bytes: int) -> None:
+    """Raise AudioError("truncated_audio") when a WAV holds fewer frames than its `data` chunk declares
+    (libsndfile's `frames` counts the frames present; module docstring)."""
+    if isinstance(src, str):
+        with open(src, "rb") as f:
+            head = f.read(_WAV_HEAD_BYTES)
+    else:
+        src.seek(0)
+        head = src.read(_WAV_HEAD_BYTES)
+        src.seek(0)
+    declared = wav_declared_bytes(head)
+    if declared is not None and declared // frame_bytes > frames:
+        raise AudioError("truncated_audio", f"{path}: data chunk declares {declared // frame_bytes} samples, the "
+                                            f"file holds {frames}")
 
 
 def _looks_mp3(path: str) -> bool:

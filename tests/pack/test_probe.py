@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile as sf
 
+from shardtrain.format.audio import AudioError
 from shardtrain.pack.probe import id3v2_bytes, open_audio, probe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +61,33 @@ def test_tagged_mp3s_pack_quietly_and_a_broken_one_is_still_named(tmp_path):
         tagged_pcm = sf.read(f, dtype="int16")[0]
     assert np.array_equal(tagged_pcm, sf.read(tmp_path / "plain.mp3", dtype="int16")[0])  # the same samples
     assert probe(str(tmp_path / "tagged.mp3")).num_samples == probe(str(tmp_path / "plain.mp3")).num_samples
+
+
+def _wav(subtype: str, frames: int = 8000, channels: int = 1) -> bytes:
+    b = io.BytesIO()
+    x = 0.3 * np.sin(np.arange(frames * channels) * 0.01).reshape(frames, channels)
+    sf.write(b, x, 16000, format="WAV", subtype=subtype)
+    return b.getvalue()
+
+
+def test_a_wav_cut_short_is_truncated_not_a_shorter_file(tmp_path):
+    """libsndfile opens a WAV missing the end of its data chunk as a shorter valid file (its frames = the bytes
+    present): packed, half the audio would carry the whole transcript. The data chunk's declared size exposes it,
+    for a local file and for a byte range (a Kaldi ark entry, Arrow bytes); a whole file and a streaming writer's
+    placeholder size (0xFFFFFFFF) pass."""
+    for subtype, channels in (("PCM_16", 1), ("PCM_24", 2), ("FLOAT", 1), ("PCM_U8", 1)):
+        whole = _wav(subtype, channels=channels)
+        (tmp_path / "whole.wav").write_bytes(whole)
+        assert probe(str(tmp_path / "whole.wav")).num_samples == 8000
+        (tmp_path / "cut.wav").write_bytes(whole[:len(whole) // 2])
+        with pytest.raises(AudioError) as e:
+            probe(str(tmp_path / "cut.wav"))
+        assert e.value.reason == "truncated_audio" and "declares 8000 samples" in str(e.value), (subtype, e.value)
+        (tmp_path / "ark").write_bytes(b"pad" + whole[:len(whole) - 7])
+        with pytest.raises(AudioError):
+            probe(f"{tmp_path / 'ark'}#bytes=3-{3 + len(whole) - 7}")
+    streamed = bytearray(_wav("PCM_16"))
+    streamed[4:8] = streamed[40:44] = b"\xff\xff\xff\xff"  # RIFF and data sizes as ffmpeg writes them to a pipe
+    assert streamed[36:40] == b"data"
+    (tmp_path / "streamed.wav").write_bytes(bytes(streamed))
+    assert probe(str(tmp_path / "streamed.wav")).num_samples == 8000

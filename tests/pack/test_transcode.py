@@ -73,3 +73,24 @@ def test_float_source_keeps_its_level_and_a_truncated_flac_is_refused(tmp_path):
     (tmp_path / "t.flac").write_bytes(full[: len(full) // 2])  # the header still claims 2 s
     with pytest.raises(AudioError):
         encode_for_shard(Item(id="t", audio=str(tmp_path / "t.flac"), text="t"), info, AudioTarget())
+
+
+def test_channels_that_cancel_in_the_mix_are_refused_not_stored_as_silence(tmp_path):
+    """A stereo file whose channels are in opposite polarity (a miswired balanced cable) mixes to ~0: stored, it
+    would be silence under a transcript. The mix is refused with the fix; picking a channel still packs it, and a
+    silent file or one with an attenuated (but not inverted) side mixes as before."""
+    tone = _tone(0.5)
+    sf.write(tmp_path / "anti.wav", np.stack([tone, -tone], axis=1), RATE, subtype="PCM_16")
+    with pytest.raises(AudioError) as e:
+        _encode(tmp_path / "anti.wav")
+    assert e.value.reason == "cancelled_downmix" and "--channels-policy" in e.value.detail
+    _, _, first, _ = _encode(tmp_path / "anti.wav", AudioTarget(channel_policy="first"))
+    assert np.abs(first).max() == pytest.approx(0.3 * 32768, rel=0.01)
+    sf.write(tmp_path / "anti4.wav", np.stack([tone, -tone, tone, -tone], axis=1), RATE, subtype="FLOAT")
+    with pytest.raises(AudioError, match="cancelled_downmix"):
+        _encode(tmp_path / "anti4.wav")
+    sf.write(tmp_path / "quiet.wav", np.zeros((RATE // 2, 2), np.float32), RATE, subtype="PCM_16")
+    assert not _encode(tmp_path / "quiet.wav")[2].any()
+    sf.write(tmp_path / "soft.wav", np.stack([tone, -0.9 * tone], axis=1), RATE, subtype="PCM_16")
+    _, _, soft, _ = _encode(tmp_path / "soft.wav")  # 26 dB down: a real mix, kept
+    assert np.abs(soft).max() == pytest.approx(0.05 * 0.3 * 32768, rel=0.05)
