@@ -194,6 +194,9 @@ _WAV_SAMPLE_BYTES = {"PCM_U8": 1, "PCM_S8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32
 """Bytes per sample of the WAV subtypes whose frames have a fixed size (the ones the length check applies to)."""
 _WAV_HEAD_BYTES = 1 << 16
 """How far into a WAV the `data` chunk header is looked for (past that, e.g. a huge LIST chunk: not checked)."""
+_WAV_SLACK_BYTES = 1024
+"""A `data` size at most this much past the bytes present is a writer's miscount (some count the header in it, or
+a pad byte), not a cut: ~32 ms of 16 kHz 16-bit mono. An interrupted copy loses far more."""
 _WAV_UNKNOWN_SIZE = 0x7FFF0000
 """A `data` size from here up (or 0) is a streaming writer's placeholder, not a length."""
 
@@ -223,7 +226,7 @@ def _check_wav_length(path: str, src: Any, frames: int, frame_bytes: int) -> Non
         head = src.read(_WAV_HEAD_BYTES)
         src.seek(0)
     declared = wav_declared_bytes(head)
-    if declared is not None and declared // frame_bytes > frames:
+    if declared is not None and declared - frames * frame_bytes > _WAV_SLACK_BYTES:
         raise AudioError("truncated_audio", f"{path}: data chunk declares {declared // frame_bytes} samples, the "
                                             f"file holds {frames}")
 

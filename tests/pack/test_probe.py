@@ -73,8 +73,8 @@ def _wav(subtype: str, frames: int = 8000, channels: int = 1) -> bytes:
 def test_a_wav_cut_short_is_truncated_not_a_shorter_file(tmp_path):
     """libsndfile opens a WAV missing the end of its data chunk as a shorter valid file (its frames = the bytes
     present): packed, half the audio would carry the whole transcript. The data chunk's declared size exposes it,
-    for a local file and for a byte range (a Kaldi ark entry, Arrow bytes); a whole file and a streaming writer's
-    placeholder size (0xFFFFFFFF) pass."""
+    for a local file and for a byte range (a Kaldi ark entry, Arrow bytes); a whole file, a data size a few bytes
+    off (a writer's miscount) and a streaming writer's placeholder size (0xFFFFFFFF) pass."""
     for subtype, channels in (("PCM_16", 1), ("PCM_24", 2), ("FLOAT", 1), ("PCM_U8", 1)):
         whole = _wav(subtype, channels=channels)
         (tmp_path / "whole.wav").write_bytes(whole)
@@ -83,9 +83,13 @@ def test_a_wav_cut_short_is_truncated_not_a_shorter_file(tmp_path):
         with pytest.raises(AudioError) as e:
             probe(str(tmp_path / "cut.wav"))
         assert e.value.reason == "truncated_audio" and "declares 8000 samples" in str(e.value), (subtype, e.value)
-        (tmp_path / "ark").write_bytes(b"pad" + whole[:len(whole) - 7])
+        (tmp_path / "ark").write_bytes(b"pad" + whole[:len(whole) - 2048])
         with pytest.raises(AudioError):
-            probe(f"{tmp_path / 'ark'}#bytes=3-{3 + len(whole) - 7}")
+            probe(f"{tmp_path / 'ark'}#bytes=3-{3 + len(whole) - 2048}")
+    miscounted = bytearray(_wav("PCM_16"))  # a writer that counted the 44-byte header into the data size
+    miscounted[40:44] = (int.from_bytes(miscounted[40:44], "little") + 44).to_bytes(4, "little")
+    (tmp_path / "miscounted.wav").write_bytes(bytes(miscounted))
+    assert probe(str(tmp_path / "miscounted.wav")).num_samples == 8000
     streamed = bytearray(_wav("PCM_16"))
     streamed[4:8] = streamed[40:44] = b"\xff\xff\xff\xff"  # RIFF and data sizes as ffmpeg writes them to a pipe
     assert streamed[36:40] == b"data"
