@@ -60,6 +60,14 @@ class PartScan:
     duration_s: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     est_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     digest: np.ndarray = field(default_factory=lambda: np.zeros(0, f"S{DIGEST_BYTES}"))
+    source: np.ndarray = field(default_factory=lambda: np.zeros(0, "S8"))
+    """Per accepted candidate, 8 bytes of hash over where its audio is (source_digest); zeros otherwise."""
+
+
+def source_digest(item) -> bytes:
+    """Where an item's audio comes from (path or URL, segment start and length): equal for two entries that would
+    store the same samples, so layout.lay_out can refuse the second (`duplicate_audio`)."""
+    return hashlib.blake2b(f"{item.audio}\0{item.start_s!r}\0{item.duration_s!r}".encode(), digest_size=8).digest()
 
 
 def _kept(cfg: PackConfig, info) -> bool:
@@ -205,7 +213,7 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
             probed = list(ex.map(lambda it: _probe_one(cfg, it), cands))
     m = len(cands)
     ok, dur, est = np.zeros(m, bool), np.zeros(m, np.float64), np.zeros(m, np.int64)
-    digest = np.zeros(m, f"S{DIGEST_BYTES}")
+    digest, source = np.zeros(m, f"S{DIGEST_BYTES}"), np.zeros(m, "S8")
     late: dict[int, dict] = {}
     records: list[Any] = []
     for j, (item, (info, nbytes, stamp)) in enumerate(zip(cands, probed)):
@@ -218,8 +226,10 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
         ok[j], dur[j], est[j] = True, duration_s, e
         digest[j] = sample_digest(SampleSpec(key="", item=item, info=info, duration_s=duration_s, est_bytes=e),
                                   stamp)
+        source[j] = source_digest(item)
         records.append((item, info, duration_s, e))
     scan = PartScan(index=part.index, items=n, early=early, pos=np.asarray(positions, np.int32),
                     ids=string_arrow([c.id for c in cands]), keys=string_arrow([sanitize_key(c.id) for c in cands]),
-                    ok=ok, late=late, duration_s=dur, est_bytes=est, digest=digest)
+                    ok=ok, late=late, duration_s=dur, est_bytes=est, digest=digest,
+                    source=source)
     return scan, records

@@ -26,6 +26,7 @@ def test_sox_resampling_pipes(tmp_path):
     audio = tmp_path / "audio"
     audio.mkdir()
     tel = _tone(audio / "tel.wav", 8000)
+    _tone(audio / "tel2.wav", 8000)  # its own file: the same file twice would be a duplicate_audio reject
     _tone(audio / "wide.wav", 16000)
     down = f"sox {audio / 'wide.wav'} -t wav -r 8000 -"
     # what Kaldi would read: the pipe really produces 8 kHz, so packing wide.wav at 16 kHz would mislabel it
@@ -33,7 +34,7 @@ def test_sox_resampling_pipes(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "wav.scp").write_text(f"tel sox {audio / 'tel.wav'} -t wav -r 8000 - |\n"
-                                  f"up sox {audio / 'tel.wav'} -t wav -r 16000 - |\n"
+                                  f"up sox {audio / 'tel2.wav'} -t wav -r 16000 - |\n"
                                   f"down {down} |\n")
     (data / "text").write_text("tel A TONE\nup A TONE AGAIN\ndown A WIDE TONE\n")
     out = tmp_path / "ds"

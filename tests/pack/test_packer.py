@@ -245,6 +245,7 @@ def _bad_corpus(root: Path) -> Path:
         {"id": "garbage", "path": str(audio / "garbage.flac"), "text": "unreadable"},
         {"id": "notext", "path": str(good / "utt-00001.flac"), "text": "   "},
         {"id": "short", "path": str(good / "utt-00005.flac"), "text": "too short"},
+        {"id": "again", "path": str(good / "utt-00002.flac"), "text": "the same audio under another id"},
     ]
     path = root / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -262,8 +263,11 @@ def test_bad_inputs_are_rejected_and_recorded(tmp_path):
     assert by_id["garbage"] == "unreadable_audio"
     assert by_id["notext"] == "empty_transcript" and by_id["short"] == "too_short"
     assert by_id["a_b_c"] == "duplicate_id" and len([x for x in rejects if x["id"] == "a_b_c"]) == 1
-    assert r.rejects == len(rejects) == 8 and r.samples == 4
-    assert sum(r.rejects_by_reason.values()) == 8 and all(x["path"] for x in rejects)
+    again = next(x for x in rejects if x["id"] == "again")  # a merged manifest: one utterance under two ids
+    assert again["reason"] == "duplicate_audio" and "'a/b.c'" in again["detail"], again
+    assert again["path"] == str(tmp_path / "good" / "utt-00002.flac") or again["path"].endswith("utt-00002.flac")
+    assert r.rejects == len(rejects) == 9 and r.samples == 4
+    assert sum(r.rejects_by_reason.values()) == 9 and all(x["path"] for x in rejects)
     keys = sorted(pq.read_table(tmp_path / "out" / "index.parquet", columns=["key"]).column("key").to_pylist())
     assert "a_b_c" in keys and len(set(keys)) == 4
     assert all(len(k) <= 80 and "." not in k and "/" not in k for k in keys)
