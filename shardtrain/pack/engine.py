@@ -1,7 +1,7 @@
 """How pack's tasks run: LocalEngine (this process + a process pool) or RayEngine (Ray tasks on a cluster).
 
     engine.scan(parts)  -> [PartScan]      runs scan.scan_part per SourcePart; records stay with the engine
-    engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate-id rejects)
+    engine.path_of(p, r) -> audio path     a candidate's path (only asked for duplicate rejects)
     engine.write(specs) -> markers         runs shard_task.write_shard per shard of the layout, any order (LocalEngine's
                                            pool, for its last shards: its two halves, spool_slice or encode_slice
                                            per slice of a shard in the workers, ShardStream or finish_shard in
