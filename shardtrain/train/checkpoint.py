@@ -255,7 +255,7 @@ def _commit_local(root: Path, tmp: Path, final: Path, parts: CheckpointParts, wo
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    prune(root, keep_last)
+    prune(root, keep_last, committed=parts.step)
     log.info("saved checkpoint %s", final)
 
 
@@ -312,7 +312,7 @@ def _commit_remote(root: str, final: str, parts: CheckpointParts, world: World, 
         storage.remove(storage.join(final, n), storage_options)
     body = json.dumps(_commit_meta(parts.meta, parts.step, world.world_size), indent=1).encode()
     storage.atomic_write_bytes(storage.join(final, "meta.json"), body, storage_options)  # the commit point
-    prune(root, keep_last, storage_options)  # type: ignore[arg-type]
+    prune(root, keep_last, storage_options, committed=parts.step)  # type: ignore[arg-type]
     log.info("saved checkpoint %s", final)
 
 
@@ -322,18 +322,26 @@ def read_meta(path: Path, storage_options: dict | None = None) -> dict:
     return json.loads((path / "meta.json").read_text())
 
 
-def prune(ckpt_dir: Path, keep_last: int, storage_options: dict | None = None) -> list[Path]:
-    """Delete committed checkpoints other than the newest `keep_last` and the best by val_loss."""
+def prune(ckpt_dir: Path, keep_last: int, storage_options: dict | None = None, *,
+          committed: int | None = None) -> list[Path]:
+    """Delete committed checkpoints other than the newest `keep_last` and the best by val_loss.
+
+    `committed`: the step just saved. A checkpoint of a later step belongs to an attempt this run went back past
+    (its resume fell back to an older checkpoint because those were unreadable): it is deleted, never counted
+    among the newest, so it can neither push the checkpoint just written out of `keep_last` nor be the one the
+    next resume or `--which latest` picks."""
     ckpts = list_checkpoints(ckpt_dir, storage_options)
+    stale = [p for s, p in ckpts if committed is not None and s > committed]
+    if stale:
+        log.warning("removing checkpoint(s) %s: newer than %s, which this run went back to",
+                    ", ".join(_name(p) for p in stale), step_dir_name(committed or 0))
+    ckpts = [(s, p) for s, p in ckpts if p not in stale]
     keep = {p for _, p in ckpts[-keep_last:]} if keep_last > 0 else set()
-    scored = [(m["val_loss"], s, p) for s, p in ckpts
-              if (m := read_meta(p, storage_options)).get("val_loss") is not None]
+    scored = [(v, s, p) for s, p in ckpts if (v := _val_loss(p, storage_options)) is not None]
     if scored:
         keep.add(min(scored)[2])
     removed = []
-    for _, p in ckpts:
-        if p in keep:
-            continue
+    for p in stale + [p for _, p in ckpts if p not in keep]:
         if is_remote(p):  # de-commit first: a kill mid-delete leaves an ignored folder, never a broken checkpoint
             storage.remove(storage.join(p, "meta.json"), storage_options)
             storage.remove(p, storage_options, recursive=True)
@@ -346,6 +354,16 @@ def prune(ckpt_dir: Path, keep_last: int, storage_options: dict | None = None) -
             shutil.rmtree(trash, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def _val_loss(path: Path, storage_options: dict | None) -> float | None:
+    """A checkpoint's validation loss; None without one or when its meta.json is unreadable (a damaged old
+    checkpoint must not stop a save after the new one committed)."""
+    try:
+        v = read_meta(path, storage_options).get("val_loss")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if v is None else float(v)
 
 
 def _load(path: Path, name: str, storage_options: dict | None) -> dict:

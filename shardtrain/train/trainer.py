@@ -9,7 +9,8 @@
          augment with a generator seeded from (seed, epoch, step, rank), forward/backward, OOM split, clip, AdamW)
       -> _account: guard counters, per-bucket peaks, OOM events; a step with no target token anywhere is no step
       -> _log (one all-reduce per interval) -> Interrupts.agreed (one all-reduce: a signal, a lost lease)
-      -> _validate -> _checkpoint -> the fault seam `train.step.rank<r>`
+      -> _validate (then Interrupts.agreed again: a signal during validation) -> _checkpoint -> the fault seam
+         `train.step.rank<r>`
 
 Empty batches (every sample of a planned batch failed to decode) still take part in the step: the rank runs
 the model on a half-second silent dummy and multiplies its loss by 0, so the gradient all-reduce always sees
@@ -150,7 +151,11 @@ class Trainer:
                 t_pause = time.perf_counter()
                 if run.step < tc.max_steps and self.interrupts.agreed(self.ctx.comm):  # every rank, this step
                     return self._preempted(step_s=t_pause - t0)
-                self._checkpoint(self._validate())
+                val_loss = self._validate()
+                # a signal during validation (minutes on a large dev set) is acted on now, not after another step
+                if val_loss is not None and run.step < tc.max_steps and self.interrupts.agreed(self.ctx.comm):
+                    return self._preempted(step_s=t_pause - t0, val_loss=val_loss)
+                self._checkpoint(val_loss)
                 self.meter.pause_s += time.perf_counter() - t_pause
                 # the fault seam: after any checkpoint of this step, so a test can crash right after a save
                 faults.point(f"train.step.rank{self.ctx.world.rank}", run.step,
@@ -265,11 +270,11 @@ class Trainer:
             return {}
         return {f"audio_s/d{i}": s for i, s in enumerate(self.ctx.comm.sum(list(secs)))}
 
-    def _preempted(self, step_s: float) -> dict:
+    def _preempted(self, step_s: float, val_loss: float | None = None) -> dict:
         """Checkpoint this step on every rank (a failure raises: there is no later chance), log the delay next to
-        the step's duration (`step_s`: the bound is one step plus the write)."""
+        the step's duration (`step_s`: the bound is one step, or the step's validation, plus the write)."""
         run, t0 = self.run, time.time()
-        self._checkpoint(None, force=True)
+        self._checkpoint(val_loss, force=True)
         done = time.time()
         row = {"step": run.step, "event": "preempted", "signal": self.interrupts.pre.name(),
                "preempt_s": round(done - (self.interrupts.pre.t_signal or t0), 3), "checkpoint_s": round(done - t0, 3),

@@ -19,10 +19,10 @@ from shardtrain.train import checkpoint as ckpt
 from shardtrain.world import World
 
 
-def _save(root: Path, step: int, numel: int = 1 << 20) -> None:
+def _save(root: Path, step: int, numel: int = 1 << 20, keep_last: int = 2) -> None:
     parts = ckpt.CheckpointParts(step=step, rank_state={"loader_state": "{}"}, main_state={"step": step},
                                  model_state={"w": torch.full((numel,), float(step))}, meta={"val_loss": None})
-    ckpt.save_checkpoint(root, parts, world=World(), keep_last=2)
+    ckpt.save_checkpoint(root, parts, world=World(), keep_last=keep_last)
 
 
 def test_crash_during_save_leaves_previous_checkpoints(tmp_path, monkeypatch):
@@ -45,6 +45,24 @@ def test_crash_during_save_leaves_previous_checkpoints(tmp_path, monkeypatch):
     _save(tmp_path, 4)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]  # keep_last=2
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+
+def test_a_save_after_falling_back_past_an_unreadable_checkpoint_is_the_one_kept(tmp_path):
+    """The newest checkpoint is truncated, the resume falls back to an older one and saves an earlier step: that
+    save stays (it was pruned as "not among the newest" while the unreadable later step was kept, so a run exited
+    0 with only a checkpoint that does not load), and the abandoned later step is gone."""
+    for step in (4, 8, 12):
+        _save(tmp_path, step, numel=1000, keep_last=3)
+    model = tmp_path / "step_000012" / "model.pt"
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    path, _ = ckpt.load_newest_intact(tmp_path, rank=0, world_size=1)
+    assert path.name == "step_000008"
+    (tmp_path / "step_000004" / "meta.json").write_text("{not json")  # an old checkpoint's damaged meta.json
+    _save(tmp_path, 10, numel=1000, keep_last=1)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [10]
+    path, state = ckpt.load_newest_intact(tmp_path, rank=0, world_size=1)
+    assert path.name == "step_000010" and state["main"]["step"] == 10
 
 
 KILL_SCRIPT = """

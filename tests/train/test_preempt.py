@@ -140,3 +140,22 @@ def test_first_ctrl_c_sets_the_flag_and_a_second_raises_at_once():
     finally:
         pre.uninstall()
     assert signal.getsignal(signal.SIGINT) is before  # what was there before, restored
+
+
+def test_a_signal_during_validation_checkpoints_that_step(six_utts, tmp_path, monkeypatch):
+    """SIGTERM arriving while validation runs stops the run at the validated step, not after one more step: a dev
+    set takes minutes, and a scheduler's grace period (torchrun: 30 s) is sized for one step plus the write."""
+    from shardtrain.train import trainer
+
+    real = trainer.evaluate
+
+    def evaluate_then_signalled(*args, **kwargs):
+        res = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # lands before validation returns
+        return res
+
+    monkeypatch.setattr(trainer, "evaluate", evaluate_then_signalled)
+    res = run(six_utts, tmp_path / "b", 8, f"train.val_data_url={six_utts}", "train.val_every_steps=3")
+    assert res["preempted"] and res["signal"] == "SIGTERM" and res["step"] == 3
+    (path,) = [p for s, p in ckpt.list_checkpoints(tmp_path / "b/checkpoints") if s == 3]
+    assert ckpt.read_meta(path)["val_loss"] == res["val_loss"]  # the step's validation kept for the best pick
