@@ -11,7 +11,8 @@ def _add_ledger(sub) -> None:
     p = sub.add_parser(
         "ledger", help="what a run trained on: per epoch, utterances seen once / never / more than once",
         description="Read RUN/ledger (written with every checkpoint) and account for each epoch: utterances trained "
-                    "once, never, and more than once per dataset, each dataset's audio share against its weight, "
+                    "once, never, and more than once per dataset, those delivered but dropped before the loss "
+                    "(targets CTC cannot align, a skipped step), each dataset's audio share against its weight, "
                     "across restarts, resumes and world-size changes. Exit status 1 when a row was trained more "
                     "often than the epoch's plan holds it (exactly-once broken), naming the keys.")
     p.add_argument("run", metavar="RUN", help="the run folder or URL given to `shardtrain train --out`")
@@ -121,18 +122,19 @@ def _print_report(r: dict) -> None:
     print(f"wasted by interruptions: {r['redone']['steps']:.0f} steps, {r['redone']['audio_s']:.1f} audio-s trained "
           "again (a preemption that saved its step wastes none)")
     print(f"{'epoch':>5} {'state':>10} {'steps':>6}  {'dataset':<32} {'planned':>8} {'trained':>8} {'once':>8} "
-          f"{'never':>7} {'>1':>6} {'over plan':>9} {'share':>6} {'weight':>6}")
+          f"{'never':>7} {'>1':>6} {'dropped':>7} {'over plan':>9} {'share':>6} {'weight':>6}")
     for e in r["epochs"]:
         state = "complete" if e["complete"] else "partial"
         for d in e["datasets"]:
             name = printable(d["name"])
             name = name if len(name) <= 32 else "..." + name[-29:]
             print(f"{e['epoch']:>5} {state:>10} {e['steps']:>6}  {name:<32} {d['planned']:>8} {d['trained']:>8} "
-                  f"{d['once']:>8} {d['never']:>7} {d['more_than_once']:>6} {d['over_plan_count']:>9} "
+                  f"{d['once']:>8} {d['never']:>7} {d['more_than_once']:>6} {d['not_trained']:>7} "
+                  f"{d['over_plan_count']:>9} "
                   f"{d['share']:>6.3f} {d['weight_share']:>6.3f}")
     for key, hits in r["keys"].items():
         if not hits:
             print(f"key {printable(key)}: never trained")
         for h in hits:
             print(f"key {printable(key)}: epoch {h['epoch']} step {h['step']} rank {h['rank']} batch {h['batch']} "
-                  f"(attempt {h['attempt']})")
+                  f"(attempt {h['attempt']})" + ("" if h["trained"] else ": delivered, dropped before the loss"))

@@ -13,8 +13,8 @@ restarted or re-sized run never rewrites a file (object stores append nothing), 
 their files, and the reader still reconstructs one history.
 
 Cost: one numpy append per micro-batch (~2 us) and one small file per rank and checkpoint. Size: 4 bytes per
-utterance (uint32 row) + 1-2 bytes for the dataset number + 16 bytes per batch: ~5.1 MB per million utterances
-trained (uncompressed .npz).
+utterance (uint32 row) + 1-2 bytes for the dataset number + 1 byte for whether it reached the weights + 16 bytes
+per batch: ~6.1 MB per million utterances trained (uncompressed .npz).
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ class LedgerWriter:
         self._steps: list[tuple[int, int, int, int]] = []  # (step, epoch, batch, count)
         self._rows: list[np.ndarray] = []
         self._sources: list[np.ndarray] = []
+        self._trained: list[np.ndarray] = []
 
     def start(self, *, start_step: int, world_size: int, datasets: list[dict], redone: dict | None = None) -> None:
         """Rank 0 records the attempt: where it started, on how many ranks, over which datasets, and what it
@@ -64,13 +65,18 @@ class LedgerWriter:
                 "redone": redone or {"steps": 0, "audio_s": 0.0}}
         self._write(f"a{self.attempt}.json", json.dumps(meta, indent=1).encode())
 
-    def add(self, step: int, micro: list) -> None:
-        """The micro-batches of optimiser step `step` (their rows and datasets; keys are not stored)."""
-        for batch, _ in micro:
+    def add(self, step: int, micro: list, dropped: list | None = None) -> None:
+        """The micro-batches of optimiser step `step` (their rows and datasets; keys are not stored). `dropped`:
+        per micro-batch, a bool mask of the utterances that reached the trainer but not the weights (targets CTC
+        cannot align, a step skipped as non-finite or not taken), or None for none."""
+        for i, (batch, _) in enumerate(micro):
             rows = np.asarray(batch.rows)
             self._steps.append((step, batch.epoch, batch.step, len(rows)))
             self._rows.append(rows.astype(np.uint32 if rows.size == 0 or rows.max() < 2**32 else np.uint64))
             self._sources.append(np.asarray(batch.sources, np.uint16))
+            mask = dropped[i] if dropped is not None else None
+            self._trained.append(np.ones(len(rows), np.uint8) if mask is None
+                                 else (~np.asarray(mask, bool)).astype(np.uint8))
 
     def flush(self, step: int) -> None:
         """Write what was trained since the last flush (called with every checkpoint; nothing when empty)."""
@@ -79,9 +85,10 @@ class LedgerWriter:
         buf = io.BytesIO()
         rows = np.concatenate(self._rows) if self._rows else np.zeros(0, np.uint32)
         np.savez(buf, steps=np.asarray(self._steps, np.int64).reshape(-1, 4), rows=rows,
-                 sources=np.concatenate(self._sources) if self._sources else np.zeros(0, np.uint16))
+                 sources=np.concatenate(self._sources) if self._sources else np.zeros(0, np.uint16),
+                 trained=np.concatenate(self._trained) if self._trained else np.zeros(0, np.uint8))
         self._write(f"a{self.attempt}-r{self.rank:05d}-s{step:09d}.npz", buf.getvalue())
-        self._steps, self._rows, self._sources = [], [], []
+        self._steps, self._rows, self._sources, self._trained = [], [], [], []
 
     def _write(self, name: str, data: bytes) -> None:
         tmp = self.folder / f".{name}.tmp"
@@ -118,6 +125,8 @@ class History:
     """Rows of micro-batch i are rows[offsets[i]:offsets[i+1]]."""
     rows: np.ndarray
     sources: np.ndarray
+    trained: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    """bool per row: it reached the weights (False: dropped before the loss, or its step was skipped)."""
     cut: list[str] = field(default_factory=list)
     """What later attempts replaced (for the report)."""
 
@@ -139,7 +148,7 @@ def read_history(run: str, storage_options: dict | None = None) -> History:
     for n in names:
         if m := _RECORD.fullmatch(n):
             by_attempt.setdefault(m.group("attempt"), []).append((int(m.group("rank")), n))
-    kept: dict[int, list] = {}  # step -> [(attempt no, rank, epoch, batch, rows, sources)]
+    kept: dict[int, list] = {}  # step -> [(attempt no, rank, epoch, batch, rows, sources, trained)]
     cut: list[str] = []
     for no, at in enumerate(metas):
         gone = sorted(s for s in kept if s > at.start_step)
@@ -151,9 +160,10 @@ def read_history(run: str, storage_options: dict | None = None) -> History:
         for rank, name in sorted(by_attempt.get(at.attempt, [])):
             with np.load(io.BytesIO(storage.read_bytes(storage.join(folder, name), storage_options))) as z:
                 steps, rows, sources = z["steps"], z["rows"].astype(np.int64), z["sources"].astype(np.int64)
+                trained = z["trained"].astype(bool) if "trained" in z.files else np.ones(len(rows), bool)
             ends = np.cumsum(steps[:, 3])
             for (step, epoch, batch, _), b, e in zip(steps.tolist(), ends - steps[:, 3], ends):
-                kept.setdefault(step, []).append((no, rank, epoch, batch, rows[b:e], sources[b:e]))
+                kept.setdefault(step, []).append((no, rank, epoch, batch, rows[b:e], sources[b:e], trained[b:e]))
     flat = [(s, *r) for s in sorted(kept) for r in kept[s]]
     counts = np.array([len(r[5]) for r in flat], np.int64)
     return History(
@@ -161,4 +171,5 @@ def read_history(run: str, storage_options: dict | None = None) -> History:
         rank=np.array([r[2] for r in flat], np.int64), epoch=np.array([r[3] for r in flat], np.int64),
         batch=np.array([r[4] for r in flat], np.int64), offsets=np.concatenate([[0], np.cumsum(counts)]),
         rows=np.concatenate([r[5] for r in flat]) if flat else np.zeros(0, np.int64),
-        sources=np.concatenate([r[6] for r in flat]) if flat else np.zeros(0, np.int64), cut=cut)
+        sources=np.concatenate([r[6] for r in flat]) if flat else np.zeros(0, np.int64),
+        trained=np.concatenate([r[7] for r in flat]) if flat else np.zeros(0, bool), cut=cut)

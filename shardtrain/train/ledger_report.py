@@ -3,8 +3,9 @@
     History (train/ledger.py) + per dataset: durations, eligible rows (not over the batch budget), weight
       -> expected(epoch): how often each row belongs to the epoch, from the planner's own selection (1 for every
          row of one dataset under the budget; a small heavily weighted dataset of a mixture may hold a row twice)
-      -> EpochAccount: once / never / more than once per dataset, audio share against the weight share,
-         and the rows trained MORE often than planned (exactly-once broken: a bug or a manual edit) with keys
+      -> EpochAccount: once / never / more than once per dataset, audio share against the weight share, the
+         deliveries that did not reach the weights (not_trained: CTC cannot align them, or a skipped step), and
+         the rows delivered MORE often than planned (exactly-once broken: a bug or a manual edit) with keys
 
 Pure functions of arrays; the CLI (`shardtrain ledger`) reads the datasets' index columns and the run's config.
 Cost: one bincount per dataset and epoch, O(rows).
@@ -47,15 +48,19 @@ class DatasetAccount:
     """Utterances trained (with multiplicity)."""
     once: int
     never: int
-    """Eligible rows planned for the epoch and never trained (the equal-steps tail, or skipped as bad data)."""
+    """Eligible rows planned for the epoch and never delivered to the trainer (the equal-steps tail, or skipped as
+    bad data)."""
     more_than_once: int
     """Rows trained more than once in the epoch (whatever the plan)."""
     over_plan: list[str]
-    """Rows trained more often than the plan holds them: exactly-once broken (keys, at most 20)."""
+    """Rows delivered more often than the plan holds them: exactly-once broken (keys, at most 20)."""
     over_plan_count: int
     audio_s: float
     share: float
     weight_share: float
+    not_trained: int = 0
+    """Deliveries that did not reach the weights: targets CTC cannot align, or a step skipped (non-finite, fp16
+    overflow, no target token anywhere). Counted apart: delivered, so not `never`, but not `trained` either."""
 
 
 @dataclass
@@ -81,25 +86,28 @@ def account(history: History, facts: list[DatasetFacts], expected: Callable[[int
     for e in (epochs if epochs is not None else all_epochs):
         sel = per_row_epoch == e
         rows, src = history.rows[sel], history.sources[sel]
+        trained = history.trained[sel] if len(history.trained) == len(history.rows) else np.ones(len(rows), bool)
         expect = expected(e)
         acc = EpochAccount(epoch=e, complete=any(x > e for x in all_epochs),
                            steps=len(set(history.step[history.epoch == e].tolist())))
         total_s = 0.0
         accounts = []
         for i, f in enumerate(facts):
-            r = rows[src == i]
+            r, ok = rows[src == i], trained[src == i]
             if len(r) and int(r.max()) >= len(f.durations_s):
                 raise ValueError(f"ledger names row {int(r.max())} of {f.name}, which has {len(f.durations_s)} rows: "
                                  "the dataset changed since the run (its index fingerprint differs)")
-            seen = np.bincount(r, minlength=len(f.durations_s))
-            over = np.flatnonzero(seen > expect[i])
-            audio = float(f.durations_s[r].sum())
+            delivered = np.bincount(r, minlength=len(f.durations_s))
+            seen = np.bincount(r[ok], minlength=len(f.durations_s))
+            over = np.flatnonzero(delivered > expect[i])
+            audio = float(f.durations_s[r[ok]].sum())
             total_s += audio
             accounts.append(DatasetAccount(
-                name=f.name, planned=int(expect[i].sum()), trained=int(len(r)), once=int((seen == 1).sum()),
-                never=int(((seen == 0) & (expect[i] > 0)).sum()), more_than_once=int((seen > 1).sum()),
+                name=f.name, planned=int(expect[i].sum()), trained=int(ok.sum()), once=int((seen == 1).sum()),
+                never=int(((delivered == 0) & (expect[i] > 0)).sum()), more_than_once=int((seen > 1).sum()),
                 over_plan=[str(f.keys[j]) if f.keys is not None else f"row {j}" for j in over[:20]],
-                over_plan_count=int(len(over)), audio_s=audio, share=0.0, weight_share=f.weight / wsum))
+                over_plan_count=int(len(over)), audio_s=audio, share=0.0, weight_share=f.weight / wsum,
+                not_trained=int(len(r) - ok.sum())))
         for a in accounts:
             a.share = a.audio_s / total_s if total_s else 0.0
         acc.datasets = accounts
@@ -110,10 +118,13 @@ def account(history: History, facts: list[DatasetFacts], expected: Callable[[int
 
 
 def where_seen(history: History, dataset: int, row: int) -> list[dict]:
-    """Every micro-batch that trained `row` of dataset `dataset`: epoch, step, rank, batch, attempt."""
+    """Every micro-batch that held `row` of dataset `dataset`: epoch, step, rank, batch, attempt, and whether it
+    reached the weights."""
     hits = np.flatnonzero((history.rows == row) & (history.sources == dataset))
+    trained = history.trained if len(history.trained) == len(history.rows) else np.ones(len(history.rows), bool)
     out = []
-    for i in np.searchsorted(history.offsets, hits, side="right") - 1:
+    for h, i in zip(hits.tolist(), np.searchsorted(history.offsets, hits, side="right") - 1):
         out.append({"epoch": int(history.epoch[i]), "step": int(history.step[i]), "rank": int(history.rank[i]),
-                    "batch": int(history.batch[i]), "attempt": history.attempts[int(history.attempt[i])].attempt})
+                    "batch": int(history.batch[i]), "attempt": history.attempts[int(history.attempt[i])].attempt,
+                    "trained": bool(trained[h])})
     return out

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Generator
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
@@ -195,13 +196,15 @@ class Trainer:
         return True
 
     def _step(self, micro: list) -> StepResult:
-        """Record what the step trains on (key log, ledger), then one optimiser step over the micro-batches."""
+        """One optimiser step over the micro-batches, recorded: the key log before it (what the step was given),
+        the ledger after it (what reached the weights)."""
         run, nxt = self.run, self.run.step + 1
         if self.keylog is not None:
             self.keylog.write(nxt, micro)
+        res = optimiser_step(self.ctx, run, micro)
         if run.ledger is not None:
-            run.ledger.add(nxt, micro)
-        return optimiser_step(self.ctx, run, micro)
+            run.ledger.add(nxt, micro, dropped=_not_trained(res, micro))
+        return res
 
     def _oom_point(self, step: int) -> None:
         """The in-step fault seam `train.step.rank<r>` (action "oom"), once per step and run folder."""
@@ -484,3 +487,12 @@ class Interval:
         self.loss = self.tokens = self.audio_s = self.wait_s = self.pause_s = self.mem_peak = 0.0
         self.t0 = time.perf_counter()
         return row
+
+
+def _not_trained(res: StepResult, micro: list) -> list:
+    """Per micro-batch, the mask of utterances that did not reach the weights (for the ledger): all of them when
+    the update was skipped (non-finite, fp16 overflow) or the step not taken (no sample or target token on any
+    rank), else the ones dropped before the loss (CTC cannot align them), None for none."""
+    if res.nonfinite or res.overflow or res.samples == 0 or res.global_tokens <= 0:
+        return [np.ones(len(batch), bool) for batch, _ in micro]
+    return res.dropped or [None] * len(micro)

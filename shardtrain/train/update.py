@@ -84,6 +84,9 @@ class StepResult:
     """Utterances trained on, all ranks."""
     impossible: int = 0
     """Utterances dropped before the loss, all ranks: targets CTC cannot align (guards.py)."""
+    dropped: list = field(default_factory=list)
+    """Per micro-batch of this rank, a bool mask of its utterances dropped before the loss (CTC cannot align), or
+    None when all of them reached it; the ledger records them as not trained."""
     nonfinite: bool = False
     """The optimiser step was skipped on every rank: a NaN/Inf loss or gradient somewhere."""
     overflow: bool = False
@@ -102,11 +105,12 @@ class _Item:
     """Nothing of this micro-batch trains (no sample, or none CTC can align): a dummy forward joins the step."""
 
 
-def _prepare(ctx: StepContext, run, micro: list) -> tuple[list[_Item], int]:
+def _prepare(ctx: StepContext, run, micro: list) -> tuple[list[_Item], list]:
     """Each micro-batch on the device, augmented (no_grad), without the utterances CTC cannot align: the items
-    and how many utterances were dropped. One device->host copy of a bool per utterance when the model reports
-    its output lengths (the forward needs the augmentation done anyway)."""
-    items, dropped = [], 0
+    and per micro-batch the mask of the utterances dropped (None: none). One device->host copy of a bool per
+    utterance when the model reports its output lengths (the forward needs the augmentation done anyway)."""
+    items: list[_Item] = []
+    dropped: list = []
     for batch, _ in micro:
         waves, lengths, targets, target_lengths = to_device(batch, ctx.device, run.tok)
         gen = torch.Generator().manual_seed(ctx.seed_of(batch))
@@ -117,10 +121,11 @@ def _prepare(ctx: StepContext, run, micro: list) -> tuple[list[_Item], int]:
         it = _Item(batch, feats, feat_lengths, targets, target_lengths, bucket_of(ctx.table, longest),
                    len(batch) == 0)
         ok = None if it.empty else alignable(run.raw_model, feat_lengths, targets, target_lengths)
+        dropped.append(None)
         if ok is not None and not bool(ok.all()):
             keep = ok.cpu()
             bad = [k for k, good in zip(batch.keys, keep.tolist()) if not good]
-            dropped += len(bad)
+            dropped[-1] = ~keep.numpy()
             log.warning("rank %d: %d utterance(s) with targets longer than their output frames allow, not trained "
                         "(epoch %d, batch %d): %s", ctx.world.rank, len(bad), batch.epoch, batch.step,
                         ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
@@ -142,8 +147,10 @@ def optimiser_step(ctx: StepContext, run, micro: list) -> StepResult:
     items, dropped = _prepare(ctx, run, micro)
     local_tokens = float(sum(0 if it.empty else it.targets.numel() for it in items))  # shape only: no sync
     local_samples = float(sum(0 if it.empty else len(it.feat_lengths) for it in items))
-    global_tokens, global_samples, impossible = comm.sum([local_tokens, local_samples, float(dropped)])
-    res = StepResult(global_tokens=global_tokens, samples=int(global_samples), impossible=int(impossible))
+    n_dropped = float(sum(int(m.sum()) for m in dropped if m is not None))
+    global_tokens, global_samples, impossible = comm.sum([local_tokens, local_samples, n_dropped])
+    res = StepResult(global_tokens=global_tokens, samples=int(global_samples), impossible=int(impossible),
+                     dropped=dropped)
     if global_samples == 0:  # no rank has a sample to train on: no forward, no step (the caller counts these)
         b = micro[-1][0]
         log.warning("no rank has a sample to train on (epoch %d, batch %d): step %d not taken", b.epoch, b.step,

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import pack_subset
 from pipelines import load_pipeline
+from shardtrain import cli
+from shardtrain.format.manifest import open_dataset
 from shardtrain.pack import PackConfig, pack
 from shardtrain.train.guards import StepGuard, TrainingHalted, ctc_frames_needed
+from shardtrain.train.ledger import read_history
 from shardtrain.train.loop import train
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.world import World
@@ -55,6 +59,9 @@ def test_one_nan_step_is_skipped_counted_and_leaves_the_weights_alone(data, tmp_
     assert all(x == x and abs(x) < float("inf") for x in losses)  # the NaN never reached a logged loss
     state = torch.load(sorted((tmp_path / "run" / "checkpoints").glob("*/model.pt"))[-1], weights_only=True)
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+    h = read_history(str(tmp_path / "run"))  # the ledger: step 3's utterances reached no weight
+    untrained = {int(h.step[i]) for i in range(len(h.step)) if not h.trained[h.offsets[i]:h.offsets[i + 1]].any()}
+    assert untrained == {3} and h.trained[h.step.repeat(np.diff(h.offsets)) != 3].all()
 
 
 def test_nan_steps_in_a_row_stop_the_run_in_one_line_without_a_checkpoint(data, tmp_path, monkeypatch):
@@ -67,21 +74,40 @@ def test_nan_steps_in_a_row_stop_the_run_in_one_line_without_a_checkpoint(data, 
         assert all(torch.isfinite(t).all() for t in torch.load(c, weights_only=True).values() if t.is_floating_point())
 
 
-def test_targets_ctc_cannot_align_are_dropped_and_a_dataset_of_them_stops_loudly(speech_corpus, tmp_path):
-    """Every transcript repeated 40 times: far more labels than a 4x-subsampled output has frames."""
+def _long_targets(speech_corpus: Path, out: Path, n: int, long: int) -> str:
+    """A dataset of `n` corpus clips whose first `long` transcripts are repeated 40 times: far more labels than a
+    4x-subsampled output has frames."""
     rows = (speech_corpus / "manifest.tsv").read_text().splitlines()
-    header, body = rows[0].split("\t"), [r.split("\t") for r in rows[1:9]]
+    header, body = rows[0].split("\t"), [r.split("\t") for r in rows[1:n + 1]]
     text_col = header.index("text")
     lines = ["\t".join(header)]
-    for r in body:
+    for i, r in enumerate(body):
         r[0] = str(speech_corpus / r[0])
-        r[text_col] = " ".join([r[text_col]] * 40)
+        r[text_col] = " ".join([r[text_col]] * (40 if i < long else 1))
         lines.append("\t".join(r))
-    (tmp_path / "long.tsv").write_text("\n".join(lines) + "\n")
-    pack(PackConfig(input=str(tmp_path / "long.tsv"), output=str(tmp_path / "ds"), max_chars_per_s=0,
-                    progress=False))
+    (out / "long.tsv").write_text("\n".join(lines) + "\n")
+    pack(PackConfig(input=str(out / "long.tsv"), output=str(out / "ds"), max_chars_per_s=0, progress=False))
+    return str(out / "ds")
+
+
+def test_targets_ctc_cannot_align_are_dropped_and_a_dataset_of_them_stops_loudly(speech_corpus, tmp_path):
     with pytest.raises(TrainingHalted, match="transcripts too long for their audio"):
-        run(str(tmp_path / "ds"), tmp_path / "run", 40)
+        run(_long_targets(speech_corpus, tmp_path, 8, 8), tmp_path / "run", 40)
+
+
+def test_the_ledger_counts_dropped_targets_as_delivered_not_trained(speech_corpus, tmp_path, capsys):
+    """2 of 8 utterances CTC cannot align: trained on is 6 an epoch; the 2 are `dropped`, neither once nor never."""
+    ds = _long_targets(speech_corpus, tmp_path, 8, 2)
+    index = open_dataset(ds).read_index().to_pylist()
+    long_key = next(r["key"] for r in index if len(r["text"]) > 300)
+    res = run(ds, tmp_path / "run", 12, "train.max_impossible_share=1.0", "stream.bucket.max_batch_seconds=6")
+    assert res["impossible_targets"] >= 2
+    assert cli.main(["ledger", str(tmp_path / "run"), "--json", "--key", long_key]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (d,) = report["epochs"][0]["datasets"]
+    assert (d["trained"], d["once"], d["not_trained"], d["never"], d["over_plan_count"]) == (6, 6, 2, 0, 0), d
+    assert report["epochs"][0]["complete"]
+    assert report["keys"][long_key] and not any(h["trained"] for h in report["keys"][long_key])
 
 
 def test_step_guard_judges_the_window_not_one_bad_batch():
