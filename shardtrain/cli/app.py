@@ -47,12 +47,36 @@ def run() -> None:
     torch's gloo process group (still running after destroy_process_group) and Arrow's IO threads can end a
     finished run with std::terminate ("terminate called without an active exception", SIGABRT; seen in one full
     test run's 3-rank job of tests/integration/test_train_elastic.py, not on reruns), and torchrun then reports the
-    job as failed after its last checkpoint was written. Other commands exit normally."""
-    args = build_parser().parse_args()
+    job as failed after its last checkpoint was written. Other commands exit normally. A usage error is also
+    written to $SHARDTRAIN_EXIT_FILE when set (`_note_usage_error`)."""
+    try:
+        args = build_parser().parse_args()
+    except SystemExit as e:  # argparse's usage error
+        if e.code == EXIT_USAGE:
+            _note_usage_error()
+        raise
     rc = _run(args)
+    if rc == EXIT_USAGE:
+        _note_usage_error()
     if args.command == "train":
         _leave(rc)
     sys.exit(rc)
+
+
+def _note_usage_error() -> None:
+    """Write "2" to $SHARDTRAIN_EXIT_FILE when it is set (scripts/slurm_train.sbatch sets it): torchrun reports
+    every failed worker as exit 1, so without this the job script cannot tell a usage error (a typo in a flag, a
+    checkpoint that does not fit the config), which no requeue can fix, from a crash, and requeued it up to
+    MAX_REQUEUES times."""
+    import os
+
+    path = os.environ.get("SHARDTRAIN_EXIT_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(f"{EXIT_USAGE}\n")
+        except OSError:
+            pass  # the job script then requeues as before
 
 
 def _leave(rc: int) -> None:

@@ -201,9 +201,9 @@ def test_two_trainers_racing_for_one_out_one_is_refused_naming_the_holder(data, 
     assert err.startswith("train: error: ") and "is locked by another trainer: pid " in err and "on host" in err
 
 
-def test_slurm_recipe_saves_on_sigterm_requeues_and_the_requeued_job_finishes(data, tmp_path):
-    """scripts/slurm_train.sbatch as it is, on one "node": srun and scontrol are the only stand-ins (no SLURM
-    here); srun runs its command, scontrol names this host and records the requeue."""
+def _slurm_stand_ins(tmp_path: Path) -> tuple[Path, dict]:
+    """(repository, environment) for scripts/slurm_train.sbatch on one "node": srun and scontrol are the only
+    stand-ins (no SLURM here); srun runs its command, scontrol names this host and records the requeue."""
     repo = Path(__file__).resolve().parents[2]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -217,7 +217,13 @@ def test_slurm_recipe_saves_on_sigterm_requeues_and_the_requeued_job_finishes(da
         port = s.getsockname()[1]
     env = {**ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1",
            "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(repo), "NPROC": "2", "PIPELINE": "tiny_cpu",
-           "RDZV_PORT": str(port), "PYTHON": sys.executable}
+           "RDZV_PORT": str(port), "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    return repo, env
+
+
+def test_slurm_recipe_saves_on_sigterm_requeues_and_the_requeued_job_finishes(data, tmp_path):
+    """scripts/slurm_train.sbatch as it is, with stand-ins for srun and scontrol (_slurm_stand_ins)."""
+    repo, env = _slurm_stand_ins(tmp_path)
     out = tmp_path / "run"
     args = [a for a in train_args(data, str(out))[3:] if a not in ("--pipeline", "tiny_cpu")]  # PIPELINE names it
     proc = subprocess.Popen(["bash", str(repo / "scripts/slurm_train.sbatch"), *args], env=env,
@@ -236,3 +242,16 @@ def test_slurm_recipe_saves_on_sigterm_requeues_and_the_requeued_job_finishes(da
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped:06d}'}" in res.stderr
     assert (tmp_path / "requeued").read_text().count("requeue") == 1
+
+
+def test_slurm_recipe_does_not_requeue_a_usage_error(data, tmp_path):
+    """A typo in a --set key: every worker exits 2, torchrun reports 1; the script learns it was a usage error from
+    SHARDTRAIN_EXIT_FILE and exits 2 without a requeue (it used to requeue it MAX_REQUEUES times)."""
+    repo, env = _slurm_stand_ins(tmp_path)
+    args = [a for a in train_args(data, str(tmp_path / "run"))[3:] if a not in ("--pipeline", "tiny_cpu")]
+    res = subprocess.run(["bash", str(repo / "scripts/slurm_train.sbatch"), *args, "--set", "train.no_such_key=1"],
+                         env={**env, "MAX_RESTARTS": "0"}, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "no_such_key" in res.stderr and "not requeued" in res.stderr
+    assert not (tmp_path / "requeued").exists()
+    assert not list(tmp_path.glob("shardtrain-exit-*"))  # the script removes its file
