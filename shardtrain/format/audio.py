@@ -114,6 +114,29 @@ def _clip_float(x: np.ndarray, peak: float) -> None:
         np.clip(x, -1.0, 1.0, out=x)
 
 
+CANCELLED_MIX_DB = -30.0
+"""A downmix this far (or more) below the mean level of its channels cancelled itself out (`cancelled_downmix`)."""
+_AUDIBLE_RMS = 1e-4
+"""Channels quieter than this (RMS, full scale 1; -80 dBFS) are silence: their mix is not checked."""
+
+
+def downmix(x: np.ndarray, where: str) -> np.ndarray:
+    """float [frames, channels] -> [frames, 1], the mean of the channels (pack's `--channels-policy mix`, and the
+    loader's mono from stored multi-channel audio). Channels in opposite polarity (a miswired balanced cable, a
+    "fake stereo" phase trick) cancel in the mean: near-silence under the transcript, so a mix more than
+    CANCELLED_MIX_DB below its audible channels raises AudioError("cancelled_downmix"). Cost: two passes of squares
+    over the samples, on the multi-channel path only."""
+    mixed = x.mean(axis=1, keepdims=True)
+    channels_ms = float(np.mean(np.square(x, dtype=np.float64)))
+    mixed_ms = float(np.mean(np.square(mixed, dtype=np.float64)))
+    if channels_ms > _AUDIBLE_RMS ** 2 and mixed_ms < channels_ms * 10 ** (CANCELLED_MIX_DB / 10):
+        raise AudioError("cancelled_downmix", f"{where}: the mean of its {x.shape[1]} channels is "
+                                              f"{10 * np.log10(max(mixed_ms, 1e-30) / channels_ms):.0f} dB relative to "
+                                              "the channels (opposite polarity?); pack one channel with "
+                                              "--channels-policy first or an index")
+    return mixed
+
+
 def _float_out(x: np.ndarray, out: np.ndarray) -> int:
     """Float samples `x` (a prefix of `out` when `out` is float32) -> `out` at their true level: checked for
     NaN/Inf, clipped at full scale, scaled to int16 when `out` is int16. Returns len(x)."""
@@ -453,7 +476,7 @@ def decode_into(data, out: np.ndarray) -> int:
         with sf.SoundFile(io.BytesIO(data)) as f:
             if f.channels == 1 and out.dtype.char in "fh" and f.subtype not in FLOAT_SUBTYPES:
                 return len(f.read(len(out), dtype=out.dtype.name, out=out))
-            mono = f.read(len(out), dtype="float32", always_2d=True).mean(axis=1, dtype=np.float32)
+            mono = downmix(f.read(len(out), dtype="float32", always_2d=True), "stored audio")[:, 0]
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{type(e).__name__}: {e}") from e
     return _float_out(mono, out)

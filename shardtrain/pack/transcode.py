@@ -26,7 +26,7 @@ import numpy as np
 import soundfile as sf
 
 from shardtrain.format.audio import FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, FloatScan, decoded_frames
-from shardtrain.format.audio import float_peak, float_scan, float_to_int16
+from shardtrain.format.audio import downmix, float_peak, float_scan, float_to_int16
 from shardtrain.format.codecs import CODECS, SF_FORMAT
 from shardtrain.pack.item import Item
 from shardtrain.pack.config import AudioTarget, channel_index  # noqa: F401 (AudioTarget: re-exported)
@@ -171,33 +171,12 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
     if pick is not None:
         x = np.ascontiguousarray(x[:, pick: pick + 1])
     elif info.channels > 1 and target.channels == 1:
-        x = _downmix(x, item.audio)
+        x = downmix(x, item.audio)
     elif info.channels == 1 and target.channels > 1:
         x = np.repeat(x, target.channels, axis=1)
     if resample:
         x = _resample(x, info.sample_rate_hz, target.sample_rate_hz)
     return _encode(float_to_int16(x) if as_float else x, target, item.audio)
-
-
-CANCELLED_MIX_DB = -30.0
-"""A downmix this far (or more) below the mean level of its channels cancelled itself out (`cancelled_downmix`)."""
-_AUDIBLE_RMS = 1e-4
-"""Channels quieter than this (RMS, full scale 1; -80 dBFS) are silence: their mix is not checked."""
-
-
-def _downmix(x: np.ndarray, where: str) -> np.ndarray:
-    """float [frames, channels] -> [frames, 1], the mean of the channels. Channels in opposite polarity (a miswired
-    balanced cable, a "fake stereo" phase trick) cancel in the mean: the mix would store near-silence under the
-    transcript, so a mix more than CANCELLED_MIX_DB below its audible channels is rejected (`cancelled_downmix`)."""
-    mixed = x.mean(axis=1, keepdims=True)
-    channels_ms = float(np.mean(np.square(x, dtype=np.float64)))
-    mixed_ms = float(np.mean(np.square(mixed, dtype=np.float64)))
-    if channels_ms > _AUDIBLE_RMS ** 2 and mixed_ms < channels_ms * 10 ** (CANCELLED_MIX_DB / 10):
-        raise AudioError("cancelled_downmix", f"{where}: the mean of its {x.shape[1]} channels is "
-                                              f"{10 * np.log10(max(mixed_ms, 1e-30) / channels_ms):.0f} dB relative to "
-                                              "the channels (opposite polarity?); pack one channel with "
-                                              "--channels-policy first or an index")
-    return mixed
 
 
 def _resample(x: np.ndarray, from_hz: int, to_hz: int) -> np.ndarray:

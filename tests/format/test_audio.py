@@ -330,3 +330,25 @@ def test_damaged_flac_frames_read_short():
         out = np.zeros(len(pcm), np.float32)
         assert audio.decode_into(bytes(bad), out) < len(pcm), pos
         assert audio.decoded_frames(bytes(bad)) < len(pcm), pos
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int16"])
+def test_the_loader_refuses_stored_channels_that_cancel_in_its_mono(dtype):
+    """Stored stereo (pack --channels 2) becomes the mean of its channels in a batch; channels in opposite polarity
+    would be silence under the transcript: a decode error (`cancelled_downmix`, a counted skip in the loader), while
+    ordinary stereo decodes to the mean of its channels."""
+    from shardtrain.format.audio import decode_into
+
+    x = tone(0.5, 16000, 1)[:, 0] * 0.5
+    for channels, expect_mean in (([x, 0.8 * x], 0.9 * x), ([x, -x], None)):
+        buf = io.BytesIO()
+        sf.write(buf, np.stack(channels, axis=1), 16000, format="FLAC", subtype="PCM_16")
+        out = np.zeros(len(x), dtype)
+        if expect_mean is None:
+            with pytest.raises(AudioError) as e:
+                decode_into(buf.getvalue(), out)
+            assert e.value.reason == "cancelled_downmix"
+            continue
+        assert decode_into(buf.getvalue(), out) == len(x)
+        got = out / 32768.0 if dtype == "int16" else out
+        assert np.abs(got - expect_mean).max() < 2e-4
