@@ -431,8 +431,8 @@ class ChunkReader:
                     r = int(run_rows[nxt])
                     ready.append((r, slot[r]))
                     nxt += 1
-                if ready:
-                    self._submit(view, start, end - start, ready, order, track, strings)
+                if ready:  # the view's length, not the planned one: a mapped run ends where a cut shard does
+                    self._submit(view, start, len(view), ready, order, track, strings)
             if mapped and len(view):  # checked: see _open_run
                 addr = np.frombuffer(view, np.uint8).ctypes.data
                 release_spans([(addr, addr + len(view))])

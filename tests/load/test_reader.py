@@ -136,3 +136,25 @@ def test_a_sample_twice_in_one_chunk_decodes_twice(packed):
     assert torch.equal(pcm0[1, :len0[1]], pcm1[0, :len1[0]])  # sample 1, both copies
     assert torch.equal(pcm0[0, :len0[0]], pcm1[2, :len1[2]])  # sample 0, both copies
     assert float(pcm0[1].abs().max()) > 0
+
+
+@pytest.mark.parametrize("map_local", [True, False])
+def test_shard_truncated_inside_a_run_skips_only_its_cut_rows(packed, tmp_path, map_local):
+    """A shard cut short inside its last sample: the samples before the cut, read in the same byte run, decode as
+    usual and the cut one is a counted `truncated_shard`, whether the run is memory-mapped (shorter than planned)
+    or read into a buffer. The mapped run once passed the planned length to the row checks (a ValueError from
+    numpy naming no shard, which stopped training)."""
+    _, url = packed
+    out = tmp_path / "ds"
+    shutil.copytree(url, out)
+    rows = open_dataset(str(out)).read_index().to_pylist()
+    shard = rows[0]["shard"]  # a full shard (3 samples)
+    mine = [i for i, r in enumerate(rows) if r["shard"] == shard]
+    assert len(mine) >= 2
+    last = rows[mine[-1]]
+    with open(out / f"shard-{shard:06d}.tar", "r+b") as f:
+        f.truncate(last["audio_offset"] + last["audio_size"] // 2)
+    got = list(read_members(open_dataset(str(out)), mine, StreamConfig(map_local=map_local), group=len(mine)))
+    assert [m.row for m in got] == mine
+    assert all(m.error is None and len(m.samples) == rows[m.row]["num_samples"] for m in got[:-1])
+    assert got[-1].samples is None and got[-1].error.startswith("truncated_shard")
