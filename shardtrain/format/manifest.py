@@ -96,6 +96,9 @@ class Dataset:
     """Read S3 metadata through presigned URLs (storage.open_ranged) instead of s3fs."""
     budget_s: float = field(default=storage.RETRY_BUDGET_S, repr=False)
     """Time a metadata read may go without progress (the loader passes stream.retry_budget_s)."""
+    manifest_version: str = field(default="", repr=False)
+    """manifest.json's version (storage.version) taken before it was read: the loader compares it before a
+    shard's first read, so a dataset re-packed in place during a run is refused (`still_same`)."""
 
     def shard_url(self, i: int) -> str:
         return storage.join(self.url, self.shards[i].name)
@@ -109,6 +112,19 @@ class Dataset:
         for s in self.shards:
             h.update(f"{s.name}:{s.sha256}\n".encode())
         return h.hexdigest()[:16]
+
+    def still_same(self) -> bool:
+        """Whether the dataset at `url` still is the one opened: manifest.json unchanged, or rewritten with the
+        same shards (names and sha256s: `content_id`). One stat or small request; a re-read only after a change."""
+        murl = storage.join(self.url, MANIFEST)
+        now = storage.version(murl, self.storage_options, direct_http=self.direct_http, budget_s=self.budget_s)
+        if now == self.manifest_version:
+            return True
+        try:
+            fresh = open_dataset(self.url, self.storage_options, direct_http=self.direct_http, budget_s=self.budget_s)
+        except (DatasetError, FileNotFoundError):
+            return False
+        return fresh.content_id == self.content_id
 
     @property
     def index_url(self) -> str:
@@ -179,7 +195,8 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
     """
     url = str(url).rstrip("/")
     murl = storage.join(url, MANIFEST)
-    try:
+    try:  # the version first: a change while reading is then seen as a change (still_same)
+        version = storage.version(murl, storage_options, direct_http=direct_http, budget_s=budget_s)
         raw = storage.read_bytes(murl, storage_options, direct_http=direct_http, budget_s=budget_s)
     except (FileNotFoundError, NotADirectoryError):
         from shardtrain.format.locate import missing_manifest_message
@@ -195,7 +212,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, direct_http: 
         )
     shards = [ShardInfo(**s) for s in check_manifest(manifest, murl)]
     return Dataset(url=url, manifest=manifest, shards=shards, storage_options=storage_options,
-                   direct_http=direct_http, budget_s=budget_s)
+                   direct_http=direct_http, budget_s=budget_s, manifest_version=version)
 
 
 ROW_GROUP = 1 << 17

@@ -173,6 +173,8 @@ class ChunkReader:
         """Each shard's version as first read (S3 ETag, local inode/size/mtime): every later read is held to it."""
         self.cache = (ShardCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
                       if cfg.cache_dir and not storage.is_local(ds.url) else None)
+        self.seen: set[int] = set()
+        """Shards read at least once: before a shard's first read, its dataset must still be the one opened."""
 
     def _fill(self, shard: int, start: int, out: memoryview) -> Iterator[int]:
         """Fill `out` with bytes [start, start + len(out)) of a shard, yielding the count filled after each piece;
@@ -424,6 +426,8 @@ class ChunkReader:
         have = nxt = 0
         view, mapped = memoryview(b""), False
         try:
+            if shard not in self.seen:
+                self._still_same(shard)
             view, filled, mapped = self._open_run(shard, start, end)
             for have in filled:
                 ready = []
@@ -440,6 +444,19 @@ class ChunkReader:
             raise self._read_failed(shard, e) from e
         for r in run_rows[nxt:]:  # the shard ended early: the header check reports them as truncated
             track.put(slot[int(r)][0], [(int(r), self._decode(view, start, have, int(r), np.zeros(0, np.int16)))])
+
+    def _still_same(self, shard: int) -> None:
+        """Refuse a dataset re-packed in place during the run (its manifest.json rewritten with other shards) before
+        a shard is first read: pins hold a shard to the version first read, but a shard first read after a
+        same-layout re-pack would be pinned to the new bytes, against the index and plan of the old (WAV members
+        of equal size pass every row check). Cost: one stat or small request per shard, once per run."""
+        parts, base = getattr(self.ds, "parts", (self.ds,)), getattr(self.ds, "base", (0,))
+        ds = parts[int(np.searchsorted(base, shard, side="right")) - 1]
+        if not ds.still_same():
+            raise StreamError(f"{ds.url} was re-packed while this run reads it (its manifest.json now lists other "
+                              "shards): its batches would mix two versions; pack into a new folder/prefix instead "
+                              "of over a dataset in use, then start a fresh run")
+        self.seen.add(shard)
 
     def _open_run(self, shard: int, start: int, end: int) -> tuple[memoryview, Iterable[int], bool]:
         """A run's bytes, the counts of them present as they arrive, and whether they are mapped: a local shard's

@@ -234,6 +234,27 @@ def read_bytes(url: str | os.PathLike, storage_options: dict | None = None, *, d
     return _with_retry(lambda: _call(fs, "cat_file", path, budget_s=backoff.call_budget()), url, backoff)
 
 
+def version(url: str | os.PathLike, storage_options: dict | None = None, *, direct_http: bool = False,
+            budget_s: float = RETRY_BUDGET_S) -> str:
+    """An object's version, without reading it: a local file's (inode, size, mtime_ns), an S3 object's ETag (a
+    1-byte GET through the presigned path when `direct_http` applies, else a HEAD). Equal versions: the same bytes;
+    a re-written or replaced object has another. Cost: one stat, or one small request."""
+    if is_local(url):
+        st = os.stat(fs_and_path(url, storage_options)[1])
+        return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    if _direct_s3_key(url, direct_http, storage_options) is not None:
+        pins: dict = {}
+        for _ in iter_range(url, 0, 1, storage_options, direct_http=True, budget_s=budget_s, pins=pins,
+                            allow_short=True):
+            pass
+        return str(next(iter(pins.values()), ""))
+    fs, path = fs_and_path(url, storage_options)
+    backoff = _backoff(url, storage_options, budget_s=budget_s)
+    fs.invalidate_cache(path)
+    info = _with_retry(lambda: _call(fs, "info", path, budget_s=backoff.call_budget()), url, backoff)
+    return str(info.get("ETag") or info.get("etag") or (info.get("size"), info.get("LastModified")))
+
+
 def atomic_write_bytes(url: str | os.PathLike, data: bytes, storage_options: dict | None = None) -> None:
     """Write `data` so readers see either nothing/the old content or all of it.
 

@@ -110,3 +110,20 @@ def test_open_ended_reads_and_range_file(blob, s3, tmp_path):
             assert f.tell() == min(len(data), a + n)
     with pytest.raises(FileNotFoundError):
         storage.open_ranged(url + ".nope", so, direct_http=True)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_version_is_stable_for_the_same_bytes_and_changes_with_a_rewrite(s3, direct):
+    """storage.version (the loader's check that a dataset was not re-packed under a run) through the presigned
+    path and through s3fs: equal for repeated asks, different after the object is rewritten (even at the same
+    size), FileNotFoundError for a missing object."""
+    bucket = s3.make_bucket(f"version-{'direct' if direct else 's3fs'}")
+    url = f"{bucket}/manifest.json"
+    storage.atomic_write_bytes(url, b'{"a": 1}\n', s3.storage_options)
+    kw = dict(direct_http=direct)
+    v1 = storage.version(url, s3.storage_options, **kw)
+    assert v1 and v1 == storage.version(url, s3.storage_options, **kw)
+    storage.atomic_write_bytes(url, b'{"a": 2}\n', s3.storage_options)
+    assert storage.version(url, s3.storage_options, **kw) not in ("", v1)
+    with pytest.raises(FileNotFoundError):
+        storage.version(url + ".missing", s3.storage_options, **kw)

@@ -158,3 +158,32 @@ def test_shard_truncated_inside_a_run_skips_only_its_cut_rows(packed, tmp_path, 
     assert [m.row for m in got] == mine
     assert all(m.error is None and len(m.samples) == rows[m.row]["num_samples"] for m in got[:-1])
     assert got[-1].samples is None and got[-1].error.startswith("truncated_shard")
+
+
+def test_a_dataset_re_packed_in_place_during_a_read_is_refused_before_its_next_shard(packed, tmp_path):
+    """Shards are pinned to the version a run first reads, so a shard first read after a same-layout re-pack in
+    place would be pinned to the new bytes (WAV members of equal size pass every row check). Before a shard's first
+    read the manifest must still be the one opened: a rewrite with the same shards passes, one listing other
+    shards (sha256s) stops the read before the next shard with a StreamError."""
+    import json
+
+    _, url = packed
+    out = tmp_path / "ds"
+    shutil.copytree(url, out)
+    ds = open_dataset(str(out))
+    rows = ds.read_index().to_pylist()
+    by_shard = {}
+    for i, r in enumerate(rows):
+        by_shard.setdefault(r["shard"], []).append(i)
+    first, second, third = (by_shard[s] for s in sorted(by_shard)[:3])
+    members = read_members(ds, first + second + third, group=len(first))
+    assert all(next(members).error is None for _ in first)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json.new").write_text(json.dumps(manifest))  # the same shards, rewritten: a new inode
+    os.replace(out / "manifest.json.new", out / "manifest.json")
+    assert all(next(members).error is None for _ in second[:1])
+    manifest["shards"][third and rows[third[0]]["shard"]]["sha256"] = "0" * 64  # a re-pack: other bytes
+    (out / "manifest.json.new").write_text(json.dumps(manifest))
+    os.replace(out / "manifest.json.new", out / "manifest.json")
+    with pytest.raises(StreamError, match="re-packed while this run reads it"):
+        list(members)

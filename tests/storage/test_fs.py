@@ -228,3 +228,15 @@ def test_shard_cache_concurrent_readers_and_streaming(tmp_path):
     with stream.open("big.tar", "cd" * 8, 16 << 20, pieces) as f:
         assert os.fstat(f.fileno()).st_size == 16 << 20
     assert on_disk == [k << 20 for k in range(16)], "the shard was held in memory before being written"
+
+
+def test_local_version_changes_with_a_rewrite_and_not_with_a_read(tmp_path):
+    p = tmp_path / "manifest.json"
+    storage.atomic_write_bytes(str(p), b"one\n")
+    v = storage.version(str(p))
+    p.read_bytes()
+    assert storage.version(str(p)) == v
+    storage.atomic_write_bytes(str(p), b"two\n")  # same size, a new inode
+    assert storage.version(str(p)) != v
+    with pytest.raises(FileNotFoundError):
+        storage.version(str(tmp_path / "missing.json"))
