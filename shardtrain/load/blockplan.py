@@ -182,7 +182,9 @@ def plan_blocks(blocks: Blocks, *, seed: int, epoch: int, world_size: int, cfg: 
     rng = _rng(seed, epoch)
     ok = np.flatnonzero(~blocks.too_long if exclude is None else ~blocks.too_long & ~exclude)
     if 0 < int(blocks.rows[ok].sum()) < world_size:
-        raise ValueError(f"{int(blocks.rows[ok].sum())} samples for {world_size} ranks: use fewer ranks")
+        if exclude is None:
+            raise ValueError(f"{int(blocks.rows[ok].sum())} samples for {world_size} ranks: use fewer ranks")
+        ok = ok[:0]  # an epoch's rest after a resume on more ranks: too few for equal steps (plan.plan_epoch)
     budget = cfg.max_batch_seconds
     mean = blocks.cost[ok] / np.maximum(blocks.rows[ok], 1)
     total = float(blocks.cost[ok].sum())

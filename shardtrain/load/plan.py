@@ -652,7 +652,8 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
     """Every rank's batches for one epoch. Pure: the same arguments always give the same plan.
 
     `exclude` (boolean mask over rows) removes rows already consumed, which is how a resume with a different
-    world size re-stripes the rest of an epoch.
+    world size re-stripes the rest of an epoch. A rest of fewer rows than ranks (a resume on more ranks just
+    before an epoch's end) is left out, as the equal-steps tail is: the epoch ends there for every rank.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -662,9 +663,11 @@ def plan_epoch(idx: PlanIndex, *, seed: int, epoch: int, world_size: int, cfg: B
     keep[too_long] = False
     rows = np.flatnonzero(keep)
     if 0 < len(rows) < world_size:
-        raise ValueError(
-            f"{len(rows)} samples left for {world_size} ranks: every rank needs at least one; "
-            "use fewer ranks or a larger dataset")
+        if exclude is None:
+            raise ValueError(
+                f"{len(rows)} samples left for {world_size} ranks: every rank needs at least one; "
+                "use fewer ranks or a larger dataset")
+        rows = rows[:0]  # an epoch's rest after a resume on more ranks: too few for equal steps, left out like a tail
     # rows sorted by duration (the index is globally sorted; stable re-sort guards hand-made indexes)
     rows = rows[np.argsort(idx.duration_s[rows], kind="stable")]
     rng = _rng(seed, epoch, 1)

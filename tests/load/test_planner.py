@@ -111,6 +111,22 @@ def test_elastic_restripe_from_any_rank_view(kind, packed, tmp_path):
     assert sorted(done + later) == expected_pairs(kind, packed)
 
 
+@pytest.mark.parametrize("kind", PLANNERS)
+def test_a_resume_on_more_ranks_than_rows_left_ends_the_epoch_there(kind, packed, tmp_path):
+    """One rank trained all but its last batch, then the run resumes on more ranks than that batch holds rows:
+    the rest cannot be dealt in equal steps, so it is left out like the equal-steps tail (the epoch ends for every
+    rank, the next one is whole) instead of a ValueError on every rank at iteration time."""
+    loader = make(kind, packed, tmp_path)
+    steps, batches = planned(loader, 0, 1, 0)
+    last = len(batches[-1][1])
+    more = last + 1
+    rest = [planned(loader, 0, more, r, chain=((1, steps - 1),)) for r in range(more)]
+    assert all(s == 0 and not b for s, b in rest)
+    nxt = [planned(loader, 1, more, r) for r in range(more)]
+    assert len({s for s, _ in nxt}) == 1 and sorted(p for _, b in nxt for p in pairs(b)) == expected_pairs(kind,
+                                                                                                           packed)
+
+
 def keys_of(batches):
     return [tuple(b.keys) for b in batches]
 
