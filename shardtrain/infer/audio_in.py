@@ -9,9 +9,10 @@
 Why blocks: soundfile.read preallocates the frame count the header states, so a 16 KB FLAC whose STREAMINFO claims
 2^36 samples asks for 256 GiB before a sample is decoded; reading blocks allocates only what the file really
 holds. Why windows: a model's memory grows with the input (attention is quadratic in it), so audio longer than
-one window is decoded and run window by window (transcribe.py), holding one window of samples at a time: memory
-is bounded by the window, whatever the file's length. Audio references are what pack's sources produce: a local
-path, an fsspec URL, or `<file>#bytes=START-END` (audio inside an Arrow file or a Kaldi ark), read with one ranged
+one window is decoded and run window by window (transcribe.py), holding about one window of samples at a time
+(at most 1.25: a short tail is split with the last window, see window_spans): memory is bounded by the window,
+whatever the file's length. Audio references are what pack's sources produce: a local path, an fsspec URL, or
+`<file>#bytes=START-END` (audio inside an Arrow file or a Kaldi ark), read with one ranged
 read bounded by format.audioref.MAX_RANGE_BYTES. Only regular files are opened (a FIFO would hang the run). Errors are AudioError
 with a snake_case reason; the caller records them per utterance.
 """
@@ -148,9 +149,27 @@ def read(u: Utterance, max_frames: int, storage_options: dict | None = None) -> 
     return x, p.rate_hz
 
 
+def window_spans(total: int, window_frames: int) -> list[tuple[int, int]]:
+    """[start, end) of each window over `total` frames: whole windows, except that a tail shorter than a quarter
+    window is never run alone (a few ms of audio is fewer feature frames than a model's convolutions need, and
+    made a 30.01 s file fail whole): the last window and such a tail are split into two near-equal halves.
+    Every window is at most `window_frames`; each is over a quarter window unless `total` itself is shorter."""
+    spans, start = [], 0
+    while total - start > window_frames + window_frames // 4:
+        spans.append((start, start + window_frames))
+        start += window_frames
+    rest = total - start
+    if rest > window_frames:
+        spans += [(start, start + rest - rest // 2), (start + rest - rest // 2, total)]
+    elif rest > 0:
+        spans.append((start, total))
+    return spans
+
+
 def windows(u: Utterance, window_frames: int, storage_options: dict | None = None) -> Iterator[tuple[np.ndarray, int]]:
-    """Successive (mono float32 window of at most `window_frames`, rate) of the segment; the last may be shorter.
-    Holds one window (plus one block) in memory. Raises AudioError (possibly after some windows were yielded)."""
+    """Successive (mono float32 window, rate) of the segment, cut as `window_spans` cuts it (decided while
+    streaming: a window is yielded once more than 1.25 windows are buffered). Holds at most 1.25 windows (plus
+    one block) in memory. Raises AudioError (possibly after some windows were yielded)."""
     with open_sound(u.audio, storage_options) as snd:
         p = _segment(u, snd)
         buf: list[np.ndarray] = []
@@ -158,10 +177,12 @@ def windows(u: Utterance, window_frames: int, storage_options: dict | None = Non
         for block in _blocks(snd, p, p.frames):
             buf.append(block)
             have += len(block)
-            while have >= window_frames:
+            while have > window_frames + window_frames // 4:
                 whole = np.concatenate(buf)
                 yield whole[:window_frames], p.rate_hz
                 rest = whole[window_frames:]
                 buf, have = ([rest] if len(rest) else []), len(rest)
         if have:
-            yield np.concatenate(buf), p.rate_hz
+            whole = np.concatenate(buf)
+            for a, b in window_spans(have, window_frames):
+                yield whole[a:b], p.rate_hz

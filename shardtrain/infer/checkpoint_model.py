@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,8 +99,19 @@ def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
         return steps[-1][1]
     scored = [(m["val_loss"], s, d) for s, d in steps
               if (m := json.loads((d / "meta.json").read_text())).get("val_loss") is not None]
+    return _lowest_val_loss(scored, str(p))
+
+
+def _lowest_val_loss(scored: list, where: str):
+    """The checkpoint of the lowest val_loss among (val_loss, step, checkpoint) triples, lowest step on a tie. A NaN
+    val_loss (a validation that diverged) is no score: min() over tuples would keep a leading NaN (every comparison
+    with it is False) and call the diverged checkpoint the best; such checkpoints are left out, with a warning."""
+    nan = [str(c) for v, _, c in scored if math.isnan(float(v))]
+    if nan:
+        log.warning("which='best': left out %d checkpoint(s) whose val_loss is NaN: %s", len(nan), ", ".join(nan))
+    scored = [x for x in scored if not math.isnan(float(x[0]))]
     if not scored:
-        raise CheckpointError(f"{p}: no checkpoint has a validation loss; use which='latest'")
+        raise CheckpointError(f"{where}: no checkpoint has a (non-NaN) validation loss; use which='latest'")
     return min(scored)[2]
 
 
@@ -122,9 +134,7 @@ def find_remote_checkpoint(url: str, which: str = "latest", storage_options: dic
         return str(steps[-1][1])
     scored = [(m["val_loss"], s, str(d)) for s, d in steps
               if (m := run_checkpoints.read_meta(d, storage_options)).get("val_loss") is not None]
-    if not scored:
-        raise CheckpointError(f"{url}: no checkpoint has a validation loss; use which='latest'")
-    return min(scored)[2]
+    return _lowest_val_loss(scored, url)
 
 
 def _remote_parts(step: str, storage_options: dict | None) -> tuple[dict, Tokenizer, dict]:

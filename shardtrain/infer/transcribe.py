@@ -20,7 +20,9 @@ out of range, a reader's reject, a batch the model failed on) is a row with an `
 logged and recorded in `Transcriber.errors` (the CLI exits 1 when there are any); never a traceback.
 
 Windows do not overlap: a word cut by a window border is decoded from two halves with less context each, which
-costs a little accuracy at the borders (one border per `window_seconds`); a model's frame-level outputs are
+costs a little accuracy at the borders (one border per `window_seconds`). A tail shorter than a quarter window is
+never run alone (too few frames for the model's convolutions: the whole file failed); it and the last window are
+split into two halves (audio_in.window_spans, the same cut for files and datasets). A model's frame-level outputs are
 concatenated across windows before the CTC collapse, so nothing else changes. `cer` in a row is computed after the
 model's text normaliser (the tokenizer's, train/normalize.py) on both sides; `reference` is the raw transcript.
 Cost: per batch or window one forward pass; decoding runs in the calling thread (inference dominates).
@@ -40,7 +42,7 @@ from tqdm import tqdm
 from shardtrain import storage
 from shardtrain.format.audio import AudioError
 from shardtrain.format.manifest import open_dataset
-from shardtrain.infer.audio_in import Probe, Utterance, probe, read, windows
+from shardtrain.infer.audio_in import Probe, Utterance, probe, read, window_spans, windows
 from shardtrain.infer.checkpoint_model import TrainedModel
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import build_loader
@@ -312,8 +314,8 @@ class Transcriber:
         if int(b.lengths.max()) > win:  # a dataset's long utterance (decoded whole by the loader): windows too
             for i, (key, ref) in enumerate(zip(b.keys, b.refs)):
                 wave = b.waves[i, : int(b.lengths[i])].float().contiguous()
-                yield self._windowed_row(b.source, key, ref, ((wave[s:s + win].numpy(), b.rate_hz)
-                                                              for s in range(0, len(wave), win)))
+                yield self._windowed_row(b.source, key, ref, ((wave[s:e].numpy(), b.rate_hz)
+                                                              for s, e in window_spans(len(wave), win)))
             return
         try:
             hyps = self.tm.transcribe(b.waves, b.lengths, b.rate_hz)

@@ -1,6 +1,6 @@
 """infer/audio_in.py: the audio transcribe/evaluate read, on real files written with soundfile: segments, stereo
-mixed down, byte ranges inside a bigger file, windows that cover the audio exactly once, and each error's reason
-(the commands on crafted audio: tests/infer/test_transcribe.py)."""
+mixed down, byte ranges inside a bigger file, windows that cover the audio exactly once (no sliver of a last
+window), and each error's reason (the commands on crafted audio: tests/infer/test_transcribe.py)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 
 from shardtrain.format.audio import AudioError
-from shardtrain.infer.audio_in import BLOCK_FRAMES, Utterance, probe, read, windows
+from shardtrain.infer.audio_in import BLOCK_FRAMES, Utterance, probe, read, window_spans, windows
 from shardtrain.testing.corpus import synth_wave
 
 RATE = 16000
@@ -57,6 +57,20 @@ def test_windows_cover_the_segment_once(files):
     got = list(windows(Utterance("a", str(root / "mono.flac"), start_s=1.0), window_frames=50_000))
     assert [len(w) for w, _ in got] == [50_000, 50_000, 44_000] and {r for _, r in got} == {RATE}
     assert np.array_equal(np.concatenate([w for w, _ in got]), mono[16_000:])
+
+
+def test_a_short_tail_is_never_a_window_of_its_own(files):
+    """144,000 frames in windows of 71,990 left a 20-frame last window (fewer feature frames than the model's
+    convolutions take: the whole file failed); the tail and the last window are now split into two halves."""
+    root, mono, _, _ = files
+    got = list(windows(Utterance("a", str(root / "mono.flac"), start_s=1.0), window_frames=71_990))
+    assert [len(w) for w, _ in got] == [71_990, 36_005, 36_005]
+    assert np.array_equal(np.concatenate([w for w, _ in got]), mono[16_000:])
+    assert [b - a for a, b in window_spans(144_000, 71_990)] == [71_990, 36_005, 36_005]  # the datasets' cut
+    for total in (1, 999, 1000, 1249, 1250, 1251, 2000, 2001, 2250, 2251, 10_007):
+        spans = window_spans(total, 1000)
+        assert spans[0][0] == 0 and spans[-1][1] == total and all(a == b for (_, a), (b, _) in zip(spans, spans[1:]))
+        assert all(250 < b - a <= 1000 for a, b in spans) or total <= 1000, (total, spans)
 
 
 @pytest.mark.parametrize("name, start_s, reason", [("none.wav", 0.0, "missing_file"), ("empty.wav", 0.0, "empty_audio"),

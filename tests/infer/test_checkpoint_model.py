@@ -3,7 +3,7 @@ transcribe, evaluate and export; export is quiet. (The exported model on onnxrun
 
 The run is real (conftest's lightning_run): the packer packs a tone corpus, a Lightning Trainer
 (interop/lightning.build_trainer) trains the tiny Conformer two steps on it in a subprocess, and every command
-runs as the CLI in a subprocess.
+runs as the CLI in a subprocess. Checkpoint choice (`which="best"`) is checked on fake run folders.
 """
 from __future__ import annotations
 
@@ -44,3 +44,23 @@ def test_export_of_a_lightning_run_is_quiet(lightning_export):
     assert p.returncode == 0 and out.is_file(), p.stderr[-3000:]
     assert "torchvision" not in p.stderr and "axis name" not in p.stderr, p.stderr[-3000:]
     assert "Warning" not in p.stderr, p.stderr[-3000:]
+
+
+def _fake_run(root, val_losses: dict) -> None:
+    """checkpoints/step_NNNNNN/{meta.json, model.pt} with the given val_loss per step (find_checkpoint reads no more)."""
+    for step, v in val_losses.items():
+        d = root / "checkpoints" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(json.dumps({"step": step, "val_loss": v}))  # NaN is written as `NaN`
+        (d / "model.pt").write_bytes(b"")
+
+
+def test_best_checkpoint_is_never_one_whose_val_loss_is_nan(tmp_path):
+    from shardtrain.infer.checkpoint_model import CheckpointError, find_checkpoint
+
+    _fake_run(tmp_path / "run", {50: float("nan"), 100: 0.5, 150: 0.3, 200: None})
+    assert find_checkpoint(tmp_path / "run", "best").name == "step_000150"  # not the diverged step 50
+    assert find_checkpoint(tmp_path / "run", "latest").name == "step_000200"
+    _fake_run(tmp_path / "nan", {50: float("nan")})
+    with pytest.raises(CheckpointError, match="non-NaN"):
+        find_checkpoint(tmp_path / "nan", "best")

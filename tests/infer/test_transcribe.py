@@ -190,6 +190,24 @@ def test_long_audio_runs_window_by_window(run_dir, tmp_path):
     assert packed[0]["text"] == rows10[0]["text"] and packed[0]["duration_s"] == pytest.approx(75.0)
 
 
+def test_audio_just_past_a_window_is_transcribed(run_dir, tmp_path):
+    """10 s + 100 samples in 5 s windows: the last window was 100 samples, fewer feature frames than the model's
+    convolutions take, and the whole file failed (model_failed) from a folder and from a packed dataset alike."""
+    (tmp_path / "in").mkdir()
+    audio = tmp_path / "in" / "just_over.flac"
+    sf.write(audio, np.concatenate([_noise(10.0, 3), _noise(1.0, 4)[:100]]), 16000)
+    from shardtrain.pack import PackConfig, pack
+
+    (tmp_path / "m.tsv").write_text(f"path\ttext\n{audio}\tjust over\n")
+    pack(PackConfig(input=str(tmp_path / "m.tsv"), output=str(tmp_path / "data"), progress=False))
+    tm = load_trained(run_dir)
+    cfg = TranscribeConfig(progress=False, window_seconds=5.0)
+    rows, errors = transcribe(tm, [str(tmp_path / "in"), str(tmp_path / "data")], cfg)
+    assert not errors and [r.get("error") for r in rows] == [None, None]
+    assert rows[0]["duration_s"] == rows[1]["duration_s"] == pytest.approx(10.00625, abs=1e-4)
+    assert rows[0]["text"] == rows[1]["text"]  # files and datasets cut the windows alike
+
+
 def test_markdown_cells_are_escaped():
     nasty = "a|b\nc\x1b[31mred\u202e"
     res = {"x|y": {"utterances": 1, "failed": 0, "cer": 0.5, "wer": 1.0,
