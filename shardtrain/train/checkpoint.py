@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import io
 import pickle
@@ -357,13 +358,14 @@ def prune(ckpt_dir: Path, keep_last: int, storage_options: dict | None = None, *
 
 
 def _val_loss(path: Path, storage_options: dict | None) -> float | None:
-    """A checkpoint's validation loss; None without one or when its meta.json is unreadable (a damaged old
-    checkpoint must not stop a save after the new one committed)."""
+    """A checkpoint's validation loss; None without one, when its meta.json is unreadable (a damaged old
+    checkpoint must not stop a save after the new one committed), or when it is NaN (a diverged validation is no
+    score: min() over tuples would keep a leading NaN as the best and prune the real best one)."""
     try:
         v = read_meta(path, storage_options).get("val_loss")
     except (OSError, ValueError, AttributeError):
         return None
-    return None if v is None else float(v)
+    return None if v is None or math.isnan(float(v)) else float(v)
 
 
 def _load(path: Path, name: str, storage_options: dict | None) -> dict:

@@ -19,9 +19,9 @@ from shardtrain.train import checkpoint as ckpt
 from shardtrain.world import World
 
 
-def _save(root: Path, step: int, numel: int = 1 << 20, keep_last: int = 2) -> None:
+def _save(root: Path, step: int, numel: int = 1 << 20, keep_last: int = 2, val_loss: float | None = None) -> None:
     parts = ckpt.CheckpointParts(step=step, rank_state={"loader_state": "{}"}, main_state={"step": step},
-                                 model_state={"w": torch.full((numel,), float(step))}, meta={"val_loss": None})
+                                 model_state={"w": torch.full((numel,), float(step))}, meta={"val_loss": val_loss})
     ckpt.save_checkpoint(root, parts, world=World(), keep_last=keep_last)
 
 
@@ -63,6 +63,14 @@ def test_a_save_after_falling_back_past_an_unreadable_checkpoint_is_the_one_kept
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [10]
     path, state = ckpt.load_newest_intact(tmp_path, rank=0, world_size=1)
     assert path.name == "step_000010" and state["main"]["step"] == 10
+
+
+def test_prune_never_keeps_a_nan_val_loss_as_the_best(tmp_path):
+    """A diverged validation (val_loss NaN) is no score: min() over (val_loss, step) tuples kept a leading NaN as
+    "the best" and pruned the real best checkpoint."""
+    for step, loss in ((2, float("nan")), (4, 0.5), (6, 0.9), (8, 1.2)):
+        _save(tmp_path, step, numel=1000, keep_last=1, val_loss=loss)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 8]  # the best (0.5) and the newest
 
 
 KILL_SCRIPT = """
