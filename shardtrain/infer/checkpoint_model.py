@@ -7,6 +7,8 @@
       checkpoints/step_NNNNNN/         model.pt   (state_dict)
         model.pt, meta.json            meta.json  (step, val_loss, the resolved RunConfig)
       vocab.json                       train_state.pt (tokenizer, when no RUN_DIR/vocab.json is beside it)
+      (meta.json's own `tokenizer`, written with every checkpoint, comes first: RUN_DIR/vocab.json is the latest
+       run's, and a run that started over in the folder rewrote it beside older steps of another vocabulary)
   -> TrainedModel(model in eval mode on the device, tokenizer, RunConfig, step)
   -> waves [B, T] float32 at any rate + lengths [B]
        -> resample to features.sample_rate_hz -> log-mel -> normalize   (exactly the validation features)
@@ -145,7 +147,9 @@ def _remote_parts(step: str, storage_options: dict | None) -> tuple[dict, Tokeni
     meta = run_checkpoints.read_meta(step, storage_options)  # type: ignore[arg-type]
     run = step.rstrip("/").rsplit("/", 2)[0]
     vocab = storage.join(run, "vocab.json")
-    if storage.exists(vocab, storage_options):
+    if isinstance(meta.get("tokenizer"), dict):  # the step's own (module docstring)
+        tok = tokenizer_from_json(meta["tokenizer"])
+    elif storage.exists(vocab, storage_options):
         tok = tokenizer_from_json(json.loads(storage.read_bytes(vocab, storage_options)))
     else:
         tok = tokenizer_from_json(load(storage.join(step, "train_state.pt"))["tokenizer"])
@@ -244,7 +248,8 @@ def load_trained(path: str | Path, *, device: str = "cpu", which: str = "latest"
         meta = json.loads((step_dir / "meta.json").read_text())
         if "config" not in meta:
             raise CheckpointError(f"{step_dir}/meta.json holds no config; it was not written by `shardtrain train`")
-        tok = _tokenizer(step_dir)
+        tok = tokenizer_from_json(meta["tokenizer"]) if isinstance(meta.get("tokenizer"), dict) else \
+            _tokenizer(step_dir)
         state = torch.load(step_dir / "model.pt", map_location="cpu", weights_only=True)
     cfg: RunConfig = from_dict(RunConfig, meta["config"])
     dev = resolve_device(device)

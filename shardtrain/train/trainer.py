@@ -344,7 +344,8 @@ class Trainer:
         if run.ledger is not None:  # before the checkpoint commits: a file without its checkpoint is cut on resume
             run.ledger.flush(run.step)
         meta = {"val_loss": val_loss, "config": to_dict(ctx.cfg), "time_unix": time.time(),
-                "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None}
+                "grad_accum_steps": tc.grad_accum_steps, "elastic_accum": run.resized is not None,
+                "tokenizer": run.tok.to_json()}  # the step's own: RUN/vocab.json may be a later run's
         parts = run.checkpoint_parts(ctx.device, self.closed, main=ctx.world.is_main, meta=meta)
         path = ckpt.save_checkpoint(self.ckpt_dir, parts, world=ctx.world, keep_last=tc.keep_last,
                                     storage_options=self.storage_options, agree=ctx.comm.any)

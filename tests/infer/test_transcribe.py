@@ -275,3 +275,21 @@ def test_transcribe_evaluate_and_export_take_a_run_on_s3(run_dir, s3, s3_bucket,
     capsys.readouterr()
     assert main(["export", url, str(tmp_path / "m.onnx")]) == 0
     assert (tmp_path / "m.onnx").stat().st_size > 0 and "s3:/" not in capsys.readouterr().out.replace("s3://", "")
+
+
+def test_a_checkpoint_decodes_with_its_own_vocabulary_not_a_later_vocab_json(run_dir, tmp_path):
+    """RUN/vocab.json is the latest run's: a run that started over in the folder (nothing loaded on --resume)
+    rewrote it beside older steps of another vocabulary, and those steps decoded with the wrong characters,
+    silently. Each checkpoint's meta.json carries its own tokenizer, which loading prefers."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    want = load_trained(run).tokenizer.to_json()
+    vocab = json.loads((run / "vocab.json").read_text())
+    assert vocab == want
+    swapped = json.loads(json.dumps(vocab).replace('"e"', '"\\u0000"').replace('"o"', '"e"').replace('"\\u0000"',
+                                                                                                  '"o"'))
+    assert swapped != vocab  # same size, two characters exchanged: another run's vocabulary
+    (run / "vocab.json").write_text(json.dumps(swapped))
+    assert load_trained(run).tokenizer.to_json() == want
