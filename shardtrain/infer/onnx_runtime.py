@@ -39,10 +39,15 @@ class _Chars:
 
 
 class _Pieces:
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, d: dict) -> None:
+        """The exported tokenizer's own pieces (`model_proto_b64`) when stored, else its model file."""
+        import base64
+
         import sentencepiece as spm
 
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        proto = d.get("model_proto_b64")
+        self._sp = (spm.SentencePieceProcessor(model_proto=base64.b64decode(proto)) if proto
+                    else spm.SentencePieceProcessor(model_file=d["model_path"]))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([i - 1 for i in ids if i > 0])
@@ -53,7 +58,7 @@ def tokenizer_decoder(d: dict) -> Any:
     if d.get("kind") == "char":
         return _Chars(d["chars"])
     if d.get("kind") == "sentencepiece":
-        return _Pieces(d["model_path"])
+        return _Pieces(d)
     raise ValueError(f"unknown tokenizer kind {d.get('kind')!r}")
 
 

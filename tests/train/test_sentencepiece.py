@@ -27,6 +27,18 @@ def test_sentencepiece_vocab_round_trips_and_keeps_blank_zero(tmp_path):
     assert tok.decode(ids) == "the cat sat on the mat"
     again = tokenizer_from_json(tok.to_json())
     assert again.encode("a dog ran") == tok.encode("a dog ran") and len(again) == len(tok)
+    # the .model file retrained in place with the same piece count: a checkpoint's JSON keeps its own pieces
+    saved = tok.to_json()
+    other = ["zebra quartz jukebox wolf vex mighty lynx", "brown fox jumps high over lazy dogs"] * 40
+    (tmp_path / "text.txt").write_text("\n".join(other) + "\n")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"),
+                                   vocab_size=30, character_coverage=1.0, minloglevel=2)
+    retrained = SentencePieceVocab(str(tmp_path / "spm.model"))
+    assert len(retrained) == len(tok) and retrained.encode("the cat") != tok.encode("the cat")
+    from shardtrain.infer.onnx_runtime import tokenizer_decoder
+
+    assert tokenizer_from_json(saved).encode("the cat sat") == ids[:len(tok.encode("the cat sat"))]
+    assert tokenizer_decoder(saved).decode(ids) == "the cat sat on the mat"
 
 
 def test_missing_sentencepiece_names_the_extra(tmp_path, monkeypatch):
