@@ -1,7 +1,7 @@
 """Transcribe audio files, folders, corpora and shardtrain datasets with a trained model, batched by duration.
 
     INPUTS: audio file | folder (searched recursively) | UtteranceSource | dataset (manifest.json; local or s3://)
-      files, folders -> UtteranceSource (key = file stem, reference = <stem>.txt/.lab or a *.trans.txt line)
+      files, folders -> UtteranceSource (key = file stem, or its path for a stem seen twice; reference = <stem>.txt/.lab or a *.trans.txt line)
       UtteranceSource (what the CLI builds with pack's readers from a Kaldi data dir -- segments and text honoured --,
                        a Common Voice release, a Hugging Face dataset or a tsv/jsonl manifest)
         -> probe headers (audio_in.probe: rate, claimed frames; no decode)
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -153,11 +154,20 @@ def reference_for(path: Path, cache: dict[Path, dict[str, str]]) -> str | None:
 
 
 def folder_source(root: Path) -> UtteranceSource:
-    """An audio file or a folder as utterances (key = file stem, reference when a transcript is found)."""
+    """An audio file or a folder as utterances (key = file stem, reference when a transcript is found). A stem
+    that occurs more than once (a/x.wav, b/x.flac) keys each file by its path under `root` instead, so no two
+    rows of the output share a key."""
     cache: dict[Path, dict[str, str]] = {}
-    return UtteranceSource(name=str(root), items=[Utterance(key=p.stem, audio=str(p),
-                                                            reference=reference_for(p, cache))
-                                                  for p in audio_files(root)])
+    files = audio_files(root)
+    stems = Counter(p.stem for p in files)
+
+    def key(p: Path) -> str:
+        if stems[p.stem] == 1 or not root.is_dir():
+            return p.stem
+        return p.relative_to(root).as_posix()
+
+    return UtteranceSource(name=str(root), items=[Utterance(key=key(p), audio=str(p),
+                                                            reference=reference_for(p, cache)) for p in files])
 
 
 def group_files(files: Sequence[_File], max_batch_seconds: float) -> list[list[_File]]:

@@ -293,3 +293,16 @@ def test_a_checkpoint_decodes_with_its_own_vocabulary_not_a_later_vocab_json(run
     assert swapped != vocab  # same size, two characters exchanged: another run's vocabulary
     (run / "vocab.json").write_text(json.dumps(swapped))
     assert load_trained(run).tokenizer.to_json() == want
+
+
+def test_a_folder_with_a_stem_twice_keys_those_files_by_their_path(tmp_path):
+    """a/x.wav and b/x.wav were both key "x": two output rows no one could tell apart. A repeated stem is keyed by
+    its path under the folder; a unique one keeps its stem (LibriSpeech ids match the packed keys)."""
+    from shardtrain.infer.transcribe import folder_source
+
+    for rel in ("a/x.wav", "b/x.wav", "b/y.flac"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        sf.write(tmp_path / rel, _noise(0.3), 16000)
+    keys = sorted(u.key for u in folder_source(tmp_path).items)
+    assert keys == ["a/x.wav", "b/x.wav", "y"]
+    assert [u.key for u in folder_source(tmp_path / "a" / "x.wav").items] == ["x"]
