@@ -1,7 +1,8 @@
 """Transcribe audio files, folders, corpora and shardtrain datasets with a trained model, batched by duration.
 
     INPUTS: audio file | folder (searched recursively) | UtteranceSource | dataset (manifest.json; local or s3://)
-      files, folders -> UtteranceSource (key = file stem, or its path for a stem seen twice; reference = <stem>.txt/.lab or a *.trans.txt line)
+      files, folders -> UtteranceSource (key = file stem, or its path for a stem seen twice; reference =
+                        <stem>.txt/.lab or a *.trans.txt line)
       UtteranceSource (what the CLI builds with pack's readers from a Kaldi data dir -- segments and text honoured --,
                        a Common Voice release, a Hugging Face dataset or a tsv/jsonl manifest)
         -> probe headers (audio_in.probe: rate, claimed frames; no decode)
