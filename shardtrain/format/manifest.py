@@ -117,7 +117,10 @@ class Dataset:
         """Whether the dataset at `url` still is the one opened: manifest.json unchanged, or rewritten with the
         same shards (names and sha256s: `content_id`). One stat or small request; a re-read only after a change."""
         murl = storage.join(self.url, MANIFEST)
-        now = storage.version(murl, self.storage_options, direct_http=self.direct_http, budget_s=self.budget_s)
+        try:
+            now = storage.version(murl, self.storage_options, direct_http=self.direct_http, budget_s=self.budget_s)
+        except FileNotFoundError:  # removed (a re-pack with --overwrite deletes the old dataset first)
+            return False
         if now == self.manifest_version:
             return True
         try:

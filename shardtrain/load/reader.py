@@ -453,9 +453,9 @@ class ChunkReader:
         parts, base = getattr(self.ds, "parts", (self.ds,)), getattr(self.ds, "base", (0,))
         ds = parts[int(np.searchsorted(base, shard, side="right")) - 1]
         if not ds.still_same():
-            raise StreamError(f"{ds.url} was re-packed while this run reads it (its manifest.json now lists other "
-                              "shards): its batches would mix two versions; pack into a new folder/prefix instead "
-                              "of over a dataset in use, then start a fresh run")
+            raise StreamError(f"{ds.url} was re-packed or removed while this run reads it (its manifest.json is gone "
+                              "or lists other shards): its batches would mix two versions; pack into a new "
+                              "folder/prefix instead of over a dataset in use, then start a fresh run")
         self.seen.add(shard)
 
     def _open_run(self, shard: int, start: int, end: int) -> tuple[memoryview, Iterable[int], bool]:

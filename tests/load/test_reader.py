@@ -185,5 +185,10 @@ def test_a_dataset_re_packed_in_place_during_a_read_is_refused_before_its_next_s
     manifest["shards"][third and rows[third[0]]["shard"]]["sha256"] = "0" * 64  # a re-pack: other bytes
     (out / "manifest.json.new").write_text(json.dumps(manifest))
     os.replace(out / "manifest.json.new", out / "manifest.json")
-    with pytest.raises(StreamError, match="re-packed while this run reads it"):
+    with pytest.raises(StreamError, match="re-packed or removed while this run reads it"):
+        list(members)
+    members = read_members(open_dataset(str(out)), first + second, group=len(first))
+    assert all(next(members).error is None for _ in first)
+    (out / "manifest.json").unlink()  # `pack --overwrite` removes the old dataset first
+    with pytest.raises(StreamError, match="re-packed or removed"):
         list(members)
