@@ -178,6 +178,9 @@ def _cmd_evaluate(args) -> int:
     from shardtrain.infer.score import escape_control, evaluate, markdown_table
     from shardtrain.train.normalize import describe_chars
 
+    twice = sorted({d for d in args.data if args.data.count(d) > 1})
+    if twice:  # results are keyed by input: the second would overwrite the first's row
+        raise SystemExit(f"evaluate: error: --data {twice[0]} is given more than once")
     try:
         tm, cfg = _trained_model(args)
         results, errors = evaluate(tm, _resolve_inputs(args.data, args, cfg.storage_options), cfg,

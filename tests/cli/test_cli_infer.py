@@ -21,3 +21,10 @@ def test_missing_checkpoint_is_one_line_exit_2(tmp_path):
         line = one_error_line(p, command)
         assert f"{ck}: no checkpoint here" in line and "step_NNNNNN" in line
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_evaluate_refuses_the_same_input_twice(tmp_path):
+    """Results are keyed by input: `--data X --data X` printed one row for two asked; a usage error now."""
+    (p,) = shardtrain_cli_many(["evaluate", str(tmp_path / "run"), "--data", str(tmp_path / "ds"), "--data",
+                                str(tmp_path / "ds")])
+    assert p.returncode == 2 and "given more than once" in one_error_line(p, "evaluate")
