@@ -58,10 +58,23 @@ class _Members:
         self.shard = t.column("shard").to_numpy()
         self.offset = t.column("audio_offset").to_numpy()
         self.size = t.column("audio_size").to_numpy()
+        self.local = storage.is_local(ds.url)
+        self.checked: set[int] = set()
+        """Remote shards whose first read found the dataset still the one opened (the loader's check, reader.py)."""
 
     def locate(self, key: str) -> tuple[str, int, int]:
+        """Where `key`'s audio lies, after a check that the dataset was not re-packed in place since it was
+        opened (its offsets would then point into other samples' bytes): before every read of a local dataset
+        (one stat of manifest.json), before a shard's first read of a remote one (one small request)."""
         i = self.row[key]
-        return self.ds.shard_url(int(self.shard[i])), int(self.offset[i]), int(self.size[i])
+        shard = int(self.shard[i])
+        if self.local or shard not in self.checked:
+            if not self.ds.still_same():
+                raise RuntimeError(f"{self.ds.url} changed since open_cutset opened it (re-packed in place?): "
+                                   "call open_cutset again")
+            if not self.local:
+                self.checked.add(shard)
+        return self.ds.shard_url(shard), int(self.offset[i]), int(self.size[i])
 
 
 _DATASETS: dict[str, Dataset] = {}
@@ -153,7 +166,12 @@ def open_cutset(url: str, storage_options: dict | None = None, *, install_backen
     local datasets only).
     """
     ds = open_dataset(url, storage_options)
-    _DATASETS[ds.url] = ds
+    with _LOCK:
+        members = _MEMBERS.get(ds.url)
+        if members is not None and members.ds.content_id != ds.content_id:
+            log.info("open_cutset: %s was re-packed since it was last opened: re-reading its index", ds.url)
+            del _MEMBERS[ds.url]  # the old offsets would read other samples' bytes
+        _DATASETS[ds.url] = ds
     if install_backend:
         install_io_backend()
     return CutSet(_IndexCuts(ds))

@@ -196,7 +196,8 @@ def spec_augment(feats: torch.Tensor, feat_lengths: torch.Tensor, cfg: SpecAugme
                  generator: torch.Generator) -> torch.Tensor:
     """SpecAugment on [B, frames, n_mels]: per utterance (with probability p) up to `n_time_masks` time masks of
     at most min(max_time_frames, floor(max_time_fraction * true frames)) frames inside the true frames, and
-    `n_freq_masks` frequency masks of at most `max_freq_bins` bins. Masked cells take the utterance's mean over
+    `n_freq_masks` frequency masks of at most `max_freq_bins` bins; the widths are also capped so that the
+    masks together never cover all frames or all bins of an utterance. Masked cells take the utterance's mean over
     its true frames (0 after normalisation); padding stays zero. Batched: masks are broadcast comparisons,
     no loop over utterances.
     """
@@ -206,9 +207,13 @@ def spec_augment(feats: torch.Tensor, feat_lengths: torch.Tensor, cfg: SpecAugme
     device = feats.device
     lengths = feat_lengths.to(device=device, dtype=torch.long)
     apply = draw_uniform(generator, (bsz,), device) < cfg.p
+    # widths capped so that the masks together leave at least one frame and one bin of every utterance (two
+    # masks of 27 bins could blank all of 40 mels: the whole utterance would be its fill value)
     max_t = torch.clamp((lengths.double() * cfg.max_time_fraction).floor().long(), max=cfg.max_time_frames)
+    max_t = torch.minimum(max_t, (lengths - 1).clamp(min=0) // max(cfg.n_time_masks, 1))
     time_mask = _mask_spans(generator, cfg.n_time_masks, max_t, lengths, frames, apply)
-    max_f = torch.full((bsz,), min(cfg.max_freq_bins, n_mels), device=device, dtype=torch.long)
+    max_f = torch.full((bsz,), min(cfg.max_freq_bins, (n_mels - 1) // max(cfg.n_freq_masks, 1)), device=device,
+                       dtype=torch.long)
     freq_mask = _mask_spans(generator, cfg.n_freq_masks, max_f, torch.full_like(max_f, n_mels), n_mels, apply)
     valid = valid_mask(lengths, frames)
     fill = (feats * valid[:, :, None]).sum((1, 2)) / (lengths.clamp(min=1) * n_mels).to(feats.dtype)

@@ -56,3 +56,38 @@ def test_lhotse_manifest_written_by_lhotse_reads_back_without_shardtrain(tagged_
             np.testing.assert_allclose(cut.load_audio()[0], want, atol=1e-6)
             assert cut.supervisions[0].text == rows[cut.id]["text"]
     assert sorted(c.id for c in cuts) == sorted(rows)
+
+
+def test_lhotse_dataset_repacked_in_place_never_reads_other_samples_bytes(tmp_path):
+    """A dataset re-packed at the same URL (one sample fewer, so every offset moves): a cut of the CutSet opened
+    before is refused, and a CutSet opened again reads each cut's own audio (the member map cached by the first
+    read pointed into the neighbouring sample: utt-00001's cut returned utt-00002's audio)."""
+    import pytest
+
+    from shardtrain.interop.lhotse import open_cutset
+    from shardtrain.pack.packer import PackConfig, pack
+    from shardtrain.testing.corpus import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", [0.5] * 4, seed=2, fmt="wav")
+    rows = (corpus / "manifest.tsv").read_text().splitlines()
+    out = str(tmp_path / "ds")
+
+    def pack_rows(lines: list[str], name: str, **kw) -> None:
+        tsv = tmp_path / name
+        tsv.write_text("\n".join([rows[0]] + [f"{corpus / r.split(chr(9))[0]}\t{r.split(chr(9), 1)[1]}"
+                                              for r in lines]) + "\n")
+        pack(PackConfig(input=str(tsv), output=out, max_samples_per_shard=4, workers=1, progress=False, **kw))
+
+    def source(cut_id: str) -> np.ndarray:
+        return sf.read(str(next(p for p in corpus.glob("*.wav") if cut_id.endswith(p.stem))), dtype="float32")[0]
+
+    pack_rows(rows[1:], "all.tsv")
+    old = {c.id: c for c in open_cutset(out)}
+    np.testing.assert_allclose(old[sorted(old)[1]].load_audio()[0], source(sorted(old)[1]), atol=1e-6)
+    pack_rows(rows[2:], "rest.tsv", overwrite=True)  # without the first sample: every later offset moves
+    with pytest.raises(RuntimeError, match="changed since open_cutset"):  # lhotse re-raises the type
+        old[sorted(old)[2]].load_audio()
+    fresh = list(open_cutset(out))
+    assert len(fresh) == 3
+    for cut in fresh:
+        np.testing.assert_allclose(cut.load_audio()[0], source(cut.id), atol=1e-6)

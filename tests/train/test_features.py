@@ -62,3 +62,16 @@ def test_spec_augment_masks_stay_inside_true_lengths_and_fractions():
         assert int(masked_bins.sum(1).max()) <= 2 * 27
     assert any_time
     assert torch.equal(spec_augment(feats, lens, dataclasses.replace(cfg, p=0.0), _gen(0)), feats)
+
+
+def test_spec_augment_never_masks_every_bin_or_frame_of_an_utterance():
+    """Two frequency masks of up to 27 bins over 40 mels (or time masks of half the frames each) could cover the
+    whole utterance, every cell then its fill value: widths are capped so one bin and one frame always remain."""
+    lens = torch.tensor([300, 120, 37, 2])
+    feats = torch.randn(4, 300, 40, generator=_gen(1)) * valid_mask(lens, 300)[:, :, None]
+    for cfg in (SpecAugmentConfig(p=1.0), SpecAugmentConfig(p=1.0, n_time_masks=2, max_time_fraction=0.5)):
+        for seed in range(300):
+            changed = spec_augment(feats, lens, cfg, _gen(seed)) != feats
+            for i, n in enumerate(lens.tolist()):
+                assert not changed[i, :n].all(0).all(), (cfg, seed, i)  # some bin of some frame kept
+                assert int(changed[i, :n].all(0).sum()) < 40 and int(changed[i, :n].all(1).sum()) < n
