@@ -44,6 +44,7 @@ from shardtrain.load.batch import Batch
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import Loader, build_loader
 from shardtrain.train.config import RunConfig
+from shardtrain.train.guards import alignable_tokens
 from shardtrain.train.schedule import augment_seed, lr_factor
 from shardtrain.train.model import build_model
 from shardtrain.train.step import Augmenters, to_device
@@ -153,7 +154,8 @@ class CTCLightningModule(pl.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         feats, feat_lengths, targets, target_lengths = self._features(batch, train=True)
         loss_sum, _, _ = self.model(feats, feat_lengths, targets, target_lengths)
-        loss = loss_sum / max(int(targets.numel()), 1) * (1.0 if len(batch) else 0.0)  # empty batch: joins DDP
+        tokens, _ = alignable_tokens(self.model, feat_lengths, targets, target_lengths)  # per token CTC can align
+        loss = loss_sum / max(tokens, 1.0) * (1.0 if len(batch) else 0.0)  # empty batch: joins DDP
         self.log("train_loss", loss, batch_size=max(len(batch), 1), prog_bar=True)
         return loss
 
@@ -162,7 +164,11 @@ class CTCLightningModule(pl.LightningModule):
             return
         feats, feat_lengths, targets, target_lengths = self._features(batch, train=False)
         loss_sum, _, _ = self.model(feats, feat_lengths, targets, target_lengths)
-        self.log("val_loss", loss_sum / max(int(targets.numel()), 1), batch_size=len(batch), sync_dist=True)
+        tokens, _ = alignable_tokens(self.model, feat_lengths, targets, target_lengths)
+        # weighted by the tokens CTC can align, so the epoch's val_loss is the pooled per-token loss of those (an
+        # utterance it cannot align adds zero_infinity's 0; counting its tokens read lower, and a set of only such
+        # utterances as 0.0, the top-3's best for good); none at all gives 0/0 = NaN, which is never the best
+        self.log("val_loss", loss_sum / max(tokens, 1.0), batch_size=int(tokens), sync_dist=True)
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         tc = self.cfg.train

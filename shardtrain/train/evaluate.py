@@ -7,8 +7,9 @@
 
 Several validation sets (valsets.py) are evaluated one after the other, each over its whole set (every rank its
 stripe). Each reports its own loss / CER / WER; the overall `val_loss`, `cer`, `wer` (best-checkpoint selection
-reads val_loss) are pooled over every set: total loss / total target tokens, total character edits / total
-reference characters, total word edits / total reference words. So a set weighs by its size (in tokens, characters,
+reads val_loss) are pooled over every set: total loss / total target tokens (of the utterances CTC can align in
+the model's output frames: the others' loss is 0 by `zero_infinity`, counted as `unalignable`), total character
+edits / total reference characters, total word edits / total reference words. So a set weighs by its size (in tokens, characters,
 words), exactly as if the sets were one set; with one set they are that set's figures. References and hypotheses
 are compared after the tokenizer's normaliser (train/normalize.py), the one its targets were encoded with.
 """
@@ -21,19 +22,23 @@ from typing import cast
 import torch
 
 from shardtrain.load.loader import build_loader
+from shardtrain.train.guards import alignable_tokens
 from shardtrain.train.text import error_counts
 from shardtrain.train.valsets import ValSet, val_sets
 from shardtrain.train.model import SpeechModel
 from shardtrain.train.step import StepContext, autocast, to_device
 
-SUMS = ("loss", "tokens", "char_errors", "chars", "word_errors", "words", "utts", "audio_s", "skipped")
+SUMS = ("loss", "tokens", "char_errors", "chars", "word_errors", "words", "utts", "audio_s", "skipped", "unalignable")
 """What each rank adds up per validation set; summed over ranks in one all-reduce."""
-SET_KEYS = ("loss", "cer", "wer", "utts", "audio_s", "chars", "words", "tokens", "skipped")
+SET_KEYS = ("loss", "cer", "wer", "utts", "audio_s", "chars", "words", "tokens", "skipped", "unalignable")
 """Per-set metrics, logged as val/<name>/<key> (metrics.jsonl and TensorBoard)."""
 
 
 def _rates(s: dict) -> dict:
-    return {"loss": s["loss"] / max(s["tokens"], 1.0), "cer": s["char_errors"] / max(s["chars"], 1.0),
+    """Per token, character and word. The loss is over the utterances CTC can align (guards.alignable_tokens):
+    NaN when there are none, never a 0.0 that best-checkpoint selection would keep."""
+    return {"loss": s["loss"] / s["tokens"] if s["tokens"] > 0 else float("nan"),
+            "cer": s["char_errors"] / max(s["chars"], 1.0),
             "wer": s["word_errors"] / max(s["words"], 1.0)}
 
 
@@ -59,8 +64,10 @@ def _evaluate_set(ctx: StepContext, model: torch.nn.Module, tok, vs: ValSet,
             hyps = [tok.decode(ids) for ids in cast(SpeechModel, model).decode(outputs, out_lengths)]
             for k, v in error_counts(batch.texts, hyps, tok.normalizer).items():
                 sums[k] += v
-            sums["loss"] += float(loss_sum)
-            sums["tokens"] += float(target_lengths.sum())
+            sums["loss"] += float(loss_sum)  # 0 for an utterance CTC cannot align (zero_infinity)
+            tokens, unalignable = alignable_tokens(model, feat_lengths, targets, target_lengths)
+            sums["tokens"] += tokens
+            sums["unalignable"] += unalignable
             sums["utts"] += len(batch)
             sums["audio_s"] += float(batch.durations_s.sum())
             examples.extend(zip(map(tok.normalizer.apply, batch.texts), hyps))  # the reference as scored
@@ -99,6 +106,7 @@ def evaluate(ctx: StepContext, model: torch.nn.Module, tok, storage_options: dic
     out_sets = {name: {**{k: p[k] for k in SET_KEYS if k in p}, **_rates(p), "examples": examples[name]}
                 for name, p in per.items()}
     return {"val_loss": rates["loss"], "cer": rates["cer"], "wer": rates["wer"], "val_chars": int(pooled["chars"]),
+            "unalignable": int(pooled["unalignable"]),
             "examples": [e for ex in examples.values() for e in ex], "sets": out_sets}
 
 
@@ -106,6 +114,6 @@ def metrics_row(res: dict, step: int) -> dict:
     """The metrics.jsonl line of one validation: pooled val_loss/cer/wer plus val/<name>/<key> per set."""
     row = {"step": step, "val_loss": res["val_loss"], "cer": res["cer"], "wer": res["wer"]}
     for name, s in res["sets"].items():
-        row.update({f"val/{name}/{k}": (int(s[k]) if k in ("utts", "chars", "words", "tokens", "skipped")
+        row.update({f"val/{name}/{k}": (int(s[k]) if k in ("utts", "chars", "words", "tokens", "skipped", "unalignable")
                                         else s[k]) for k in SET_KEYS})
     return row

@@ -54,6 +54,18 @@ def alignable(model: torch.nn.Module, feat_lengths: torch.Tensor, targets: torch
     return out_lengths(feat_lengths) >= ctc_frames_needed(targets, target_lengths)
 
 
+def alignable_tokens(model: torch.nn.Module, feat_lengths: torch.Tensor, targets: torch.Tensor,
+                     target_lengths: torch.Tensor) -> tuple[float, int]:
+    """(target tokens of the utterances CTC can align, how many utterances it cannot): the divisor of a per-token
+    loss that `zero_infinity` computed as 0 for the unalignable ones (counting their tokens too would read as a
+    lower loss: a set of only such utterances as 0.0, "the best checkpoint"). All tokens when the model does not
+    say how many frames it outputs."""
+    ok = alignable(model, feat_lengths, targets, target_lengths)
+    if ok is None:
+        return float(target_lengths.sum()), 0
+    return float(target_lengths[ok].sum()), int((~ok).sum())
+
+
 def keep_utterances(keep: torch.Tensor, feats: torch.Tensor, feat_lengths: torch.Tensor, targets: torch.Tensor,
                     target_lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The micro-batch without the utterances `keep` is False for (targets are concatenated per utterance)."""

@@ -303,7 +303,11 @@ class Trainer:
         self.metrics.log(row)
         self.last.update(row, val_examples=res["examples"])
         self._log_validation(res, len(sets))
-        run.best_val = min(run.best_val, res["val_loss"])
+        if res["unalignable"]:
+            log.warning("step %d: %d validation utterance(s) have transcripts CTC cannot align in the model's output "
+                        "frames: left out of val_loss (CER/WER count them)", run.step, res["unalignable"])
+        if res["val_loss"] == res["val_loss"]:  # NaN (nothing alignable) is no best
+            run.best_val = min(run.best_val, res["val_loss"])
         return res["val_loss"]
 
     def _log_validation(self, res: dict, n_sets: int) -> None:

@@ -13,6 +13,7 @@ from conftest import pack_subset
 from pipelines import load_pipeline
 from shardtrain import cli
 from shardtrain.format.manifest import open_dataset
+from shardtrain.infer.checkpoint_model import CheckpointError, find_checkpoint
 from shardtrain.pack import PackConfig, pack
 from shardtrain.train.guards import StepGuard, TrainingHalted, ctc_frames_needed
 from shardtrain.train.ledger import read_history
@@ -120,3 +121,25 @@ def test_step_guard_judges_the_window_not_one_bad_batch():
     g.after_step(27, nonfinite=True, overflow=False, impossible=0, samples=8)
     with pytest.raises(TrainingHalted):
         g.after_step(28, nonfinite=True, overflow=False, impossible=0, samples=8)
+
+
+def test_validation_leaves_utterances_ctc_cannot_align_out_of_val_loss(data, speech_corpus, tmp_path):
+    """Their loss is zero_infinity's 0 while their tokens were counted: val_loss read lower, and a set of only such
+    utterances read 0.0, the best checkpoint for good. Now: per token of the alignable ones, `unalignable` counted,
+    NaN for a set of none (never the best)."""
+    for name in ("mixed", "hopeless"):
+        (tmp_path / name).mkdir()
+    mixed, hopeless = _long_targets(speech_corpus, tmp_path / "mixed", 8, 2), \
+        _long_targets(speech_corpus, tmp_path / "hopeless", 8, 8)
+    for ds, want in ((mixed, 2), (hopeless, 8)):
+        out = tmp_path / f"run-{want}"
+        run(data, out, 2, f"train.val_data_url={ds}", "train.val_every_steps=2")
+        (row,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+        unalignable = [v for k, v in row.items() if k.endswith("/unalignable")]
+        assert unalignable == [want], row
+        if want < 8:
+            assert 0 < row["val_loss"] < float("inf")
+        else:
+            assert row["val_loss"] != row["val_loss"]  # NaN
+            with pytest.raises(CheckpointError, match="non-NaN"):
+                find_checkpoint(out, "best")
