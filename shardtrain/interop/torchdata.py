@@ -12,12 +12,15 @@ state read after `next()` is exactly that of the batch just returned).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator
 
 import torch
 
 from shardtrain.load.batch import Batch
 from shardtrain.load.loader import Loader
+
+log = logging.getLogger(__name__)
 
 
 class BatchStream(torch.utils.data.IterableDataset):
@@ -30,7 +33,15 @@ class BatchStream(torch.utils.data.IterableDataset):
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError("BatchStream runs in the main process: use DataLoader(stream, batch_size=None, "
                                "num_workers=0); the loader decodes in its own threads: set stream.decode_threads for more")
-        return self.loader.batches()
+        return self._batches()
+
+    def _batches(self) -> Iterator[Batch]:
+        n = 0
+        for n, batch in enumerate(self.loader.batches(), 1):
+            yield batch
+        if n == 0:  # `for epoch in range(N): for b in dl` over a one-epoch loader: every later pass is empty
+            log.warning("BatchStream: no batch: the loader's epochs (stream.epochs=%s) are all consumed; build it "
+                        "with more (None: endless) to iterate again", self.loader.cfg.epochs)
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()

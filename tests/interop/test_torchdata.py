@@ -40,6 +40,16 @@ def test_dataloader_batch_size_none_yields_the_loaders_batches(dataset):
         next(iter(torch.utils.data.DataLoader(BatchStream(loader(dataset)), batch_size=None, num_workers=1)))
 
 
+
+def test_a_second_pass_over_a_consumed_loader_says_why_it_is_empty(dataset, caplog):
+    """`for epoch in range(N): for b in dl` over a loader of fewer epochs: the later passes were silently empty."""
+    dl = torch.utils.data.DataLoader(BatchStream(loader(dataset)), batch_size=None)
+    assert sum(1 for _ in dl) > 6
+    with caplog.at_level("WARNING", logger="shardtrain.interop.torchdata"):
+        assert sum(1 for _ in dl) == 0
+    assert "epochs (stream.epochs=2) are all consumed" in caplog.text
+
+
 def test_loader_load_state_dict_resumes_at_the_next_batch(dataset):
     full = [sig(b) for b in loader(dataset).batches()]
     first = loader(dataset)
