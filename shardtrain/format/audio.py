@@ -185,7 +185,11 @@ def decode(data: bytes, dtype: str = "float32") -> tuple[np.ndarray, int]:
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             floats = f.subtype in FLOAT_SUBTYPES  # libsndfile's float -> int read does not scale (float_to_int16)
-            x = f.read(dtype="float32" if floats else dtype, always_2d=False)
+            if f.seekable():
+                x = f.read(dtype="float32" if floats else dtype, always_2d=False)
+            else:  # GSM 6.10: libsndfile cannot seek it, so read() wants frames; blocks allocate only what is there
+                parts = list(f.blocks(blocksize=1 << 16, frames=f.frames, dtype="float32" if floats else dtype))
+                x = np.concatenate(parts) if parts else np.zeros(0, "float32" if floats else dtype)
             rate = f.samplerate
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", str(e)) from e

@@ -16,8 +16,8 @@ would decode.
 
 WAV lengths: libsndfile takes a RIFF/WAVE file's length from the bytes present, not from its `data` chunk's size,
 so a WAV cut short (an interrupted copy) opened as a shorter, valid file: half the audio stored under the whole
-transcript, silently. So `probe` reads the `data` chunk's declared size (PCM, float, A-law and mu-law, whose
-frames have a fixed size) and raises "truncated_audio" when the file holds fewer frames than it declares. The
+transcript, silently. So `probe` reads the `data` chunk's declared size (PCM, float, A-law, mu-law and GSM 6.10,
+whose frames have a fixed size) and raises "truncated_audio" when the file holds fewer frames than it declares. The
 placeholder sizes streaming writers leave (0, 0xFFFFFFFF, >= 0x7FFF0000: ffmpeg or sox writing to a pipe) say
 nothing about the length and are not checked.
 """
@@ -162,7 +162,8 @@ def probe(path: str, storage_options: dict | None = None) -> AudioInfo:
         _check_mp3_length(path, data if data is not None else read_audio_bytes(path, storage_options), frames)
     if codec == "wav" and getattr(info, "subtype", None) in _WAV_SAMPLE_BYTES:
         _check_wav_length(path, src if data is None else io.BytesIO(data), frames,
-                          int(info.channels) * _WAV_SAMPLE_BYTES[info.subtype])
+                          int(info.channels) * _WAV_SAMPLE_BYTES[info.subtype],
+                          _WAV_GSM_SLACK_BYTES if info.subtype == "GSM610" else _WAV_SLACK_BYTES)
     return AudioInfo(duration_s=frames / rate, sample_rate_hz=rate, num_samples=frames, channels=int(info.channels),
                      codec=codec)
 
@@ -190,10 +191,14 @@ def _flac_streaminfo(path: str) -> _StreamInfo | None:
 
 
 _WAV_SAMPLE_BYTES = {"PCM_U8": 1, "PCM_S8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8,
+                     "GSM610": 65 / 320,
                      "ALAW": 1, "ULAW": 1}
-"""Bytes per sample of the WAV subtypes whose frames have a fixed size (the ones the length check applies to)."""
+"""Bytes per sample of the WAV subtypes whose frames have a fixed size (the ones the length check applies to;
+GSM 6.10: 65-byte blocks of 320 samples)."""
 _WAV_HEAD_BYTES = 1 << 16
 """How far into a WAV the `data` chunk header is looked for (past that, e.g. a huge LIST chunk: not checked)."""
+_WAV_GSM_SLACK_BYTES = 130
+"""GSM 6.10's slack: two 65-byte blocks (640 samples, 80 ms at 8 kHz); 1 KB of GSM is 5,000 samples."""
 _WAV_SLACK_BYTES = 1024
 """A `data` size at most this much past the bytes present is a writer's miscount (some count the header in it, or
 a pad byte), not a cut: ~32 ms of 16 kHz 16-bit mono. An interrupted copy loses far more."""
@@ -215,7 +220,7 @@ def wav_declared_bytes(head: bytes) -> int | None:
     return None
 
 
-def _check_wav_length(path: str, src: Any, frames: int, frame_bytes: int) -> None:
+def _check_wav_length(path: str, src: Any, frames: int, frame_bytes: float, slack_bytes: int) -> None:
     """Raise AudioError("truncated_audio") when a WAV holds fewer frames than its `data` chunk declares
     (libsndfile's `frames` counts the frames present; module docstring)."""
     if isinstance(src, str):
@@ -226,8 +231,8 @@ def _check_wav_length(path: str, src: Any, frames: int, frame_bytes: int) -> Non
         head = src.read(_WAV_HEAD_BYTES)
         src.seek(0)
     declared = wav_declared_bytes(head)
-    if declared is not None and declared - frames * frame_bytes > _WAV_SLACK_BYTES:
-        raise AudioError("truncated_audio", f"{path}: data chunk declares {declared // frame_bytes} samples, the "
+    if declared is not None and declared - frames * frame_bytes > slack_bytes:
+        raise AudioError("truncated_audio", f"{path}: data chunk declares {int(declared // frame_bytes)} samples, the "
                                             f"file holds {frames}")
 
 

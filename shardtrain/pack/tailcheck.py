@@ -155,6 +155,12 @@ def check_tail(data: bytes, info: AudioInfo, where: str) -> None:
         return
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            seek_tail(f, info.num_samples, where)
+            if f.seekable():
+                seek_tail(f, info.num_samples, where)
+                return
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{where}: {e}") from e
+    decoded = decoded_frames(data)  # a codec libsndfile cannot seek (GSM 6.10): decoded through, constant memory
+    if decoded != info.num_samples:
+        raise AudioError("truncated_audio", f"{where}: header promises {info.num_samples} samples, decode yields "
+                                            f"{decoded}")

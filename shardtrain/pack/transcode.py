@@ -115,15 +115,30 @@ def _read_segment(src: str | IO[bytes], start: int, count: int, dtype: str, wher
             is_float = f.subtype in FLOAT_SUBTYPES
             if is_float:
                 dtype = "float32"
-            seek_tail(f, start + count, where)
-            f.seek(start)
-            x = f.read(count, dtype=dtype, always_2d=True)
+            if f.seekable():
+                seek_tail(f, start + count, where)
+                f.seek(start)
+                x = f.read(count, dtype=dtype, always_2d=True)
+            else:
+                x = _read_through(f, start, count, dtype)
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{where}: {e}") from e
     if len(x) != count:
         raise AudioError("truncated_audio", f"{where}: expected {count} samples from {start}, decode yields "
                                             f"{len(x)}")
     return x, is_float
+
+
+def _read_through(f: sf.SoundFile, start: int, count: int, dtype: str) -> np.ndarray:
+    """[start, start + count) of a file libsndfile cannot seek (GSM 6.10 WAV: telephony corpora), read from the
+    beginning in blocks: memory grows with the samples really present, never with what the header claims, so a
+    lying header still costs no allocation (the caller's length check then finds it short)."""
+    parts, pos = [], 0
+    for block in f.blocks(blocksize=1 << 16, dtype=dtype, always_2d=True, frames=start + count):
+        if pos + len(block) > start:
+            parts.append(block[max(0, start - pos):])
+        pos += len(block)
+    return np.concatenate(parts) if parts else np.zeros((0, f.channels), dtype)
 
 
 def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_options: dict | None = None, *,

@@ -94,3 +94,33 @@ def test_channels_that_cancel_in_the_mix_are_refused_not_stored_as_silence(tmp_p
     sf.write(tmp_path / "soft.wav", np.stack([tone, -0.9 * tone], axis=1), RATE, subtype="PCM_16")
     _, _, soft, _ = _encode(tmp_path / "soft.wav")  # 26 dB down: a real mix, kept
     assert np.abs(soft).max() == pytest.approx(0.05 * 0.3 * 32768, rel=0.05)
+
+
+def test_gsm_wav_that_libsndfile_cannot_seek_packs_and_loads(tmp_path):
+    """GSM 6.10 WAV (telephony corpora): libsndfile cannot seek it, and the seek-based tail check rejected every
+    such file as truncated_audio. It is read through in blocks now; a cut one is still truncated_audio."""
+    from shardtrain.format.manifest import open_dataset
+    from shardtrain.load.reader import read_members
+    from shardtrain.pack.packer import PackConfig, pack
+
+    rate = 8000
+    x = (0.3 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)).astype(np.float32)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    sf.write(corpus / "a.wav", x, rate, subtype="GSM610")
+    (corpus / "a.txt").write_text("a tone\n")
+    whole = (corpus / "a.wav").read_bytes()
+    (corpus / "cut.wav").write_bytes(whole[: len(whole) // 2])
+    (corpus / "cut.txt").write_text("half a tone\n")
+    res = pack(PackConfig(input=str(corpus), output=str(tmp_path / "ds"), workers=1, progress=False,
+                          audio=AudioTarget(sample_rate_hz=rate)))
+    assert res.samples == 1 and dict(res.rejects_by_reason) == {"truncated_audio": 1}, res.rejects_by_reason
+    with sf.SoundFile(corpus / "a.wav") as f:
+        want = f.read(frames=f.frames, dtype="float32")
+    (m,) = list(read_members(open_dataset(str(tmp_path / "ds")), [0]))
+    assert m.error is None and len(m.samples) == len(want)
+    assert np.abs(m.samples - want).max() < 1e-3  # the GSM decode, stored as 16-bit FLAC
+    from shardtrain.format.audio import decode
+
+    got, got_rate = decode(whole)  # a GSM member kept as is (--codec wav): read() needs its frames
+    assert got_rate == rate and len(got) == len(want) and np.abs(got - want).max() < 1e-6
