@@ -103,6 +103,10 @@ class Dataset:
     def shard_url(self, i: int) -> str:
         return storage.join(self.url, self.shards[i].name)
 
+    def part_of(self, i: int) -> "Dataset":
+        """The dataset holding shard `i`: this one (load.planner.Shards answers the same over several)."""
+        return self
+
     @property
     def content_id(self) -> str:
         """The dataset's content identity: a hash of every shard's name and sha256 from the manifest. The index

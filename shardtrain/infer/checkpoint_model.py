@@ -105,16 +105,15 @@ def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
 
 
 def _lowest_val_loss(scored: list, where: str):
-    """The checkpoint of the lowest val_loss among (val_loss, step, checkpoint) triples, lowest step on a tie. A NaN
-    val_loss (a validation that diverged) is no score: min() over tuples would keep a leading NaN (every comparison
-    with it is False) and call the diverged checkpoint the best; such checkpoints are left out, with a warning."""
+    """train.checkpoint.lowest_val_loss (a NaN val_loss is no score), with a warning naming the checkpoints left
+    out for it, and CheckpointError when none is left."""
     nan = [str(c) for v, _, c in scored if math.isnan(float(v))]
     if nan:
         log.warning("which='best': left out %d checkpoint(s) whose val_loss is NaN: %s", len(nan), ", ".join(nan))
-    scored = [x for x in scored if not math.isnan(float(x[0]))]
-    if not scored:
+    best = run_checkpoints.lowest_val_loss(scored)
+    if best is None:
         raise CheckpointError(f"{where}: no checkpoint has a (non-NaN) validation loss; use which='latest'")
-    return min(scored)[2]
+    return best
 
 
 def find_remote_checkpoint(url: str, which: str = "latest", storage_options: dict | None = None) -> str:

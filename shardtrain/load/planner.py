@@ -70,8 +70,15 @@ class Shards:
         return cls(url=remote[0] if remote else parts[0].url, parts=tuple(parts), shards=shards, base=base,
                    storage_options=storage_options)
 
+    def _part(self, i: int) -> int:
+        return int(np.searchsorted(self.base, i, side="right")) - 1
+
+    def part_of(self, i: int) -> Dataset:
+        """The dataset holding global shard `i` (the loader's check that it was not re-packed: Dataset.still_same)."""
+        return self.parts[self._part(i)]
+
     def shard_url(self, i: int) -> str:
-        d = int(np.searchsorted(self.base, i, side="right")) - 1
+        d = self._part(i)
         return self.parts[d].shard_url(int(i - self.base[d]))
 
 

@@ -450,8 +450,7 @@ class ChunkReader:
         a shard is first read: pins hold a shard to the version first read, but a shard first read after a
         same-layout re-pack would be pinned to the new bytes, against the index and plan of the old (WAV members
         of equal size pass every row check). Cost: one stat or small request per shard, once per run."""
-        parts, base = getattr(self.ds, "parts", (self.ds,)), getattr(self.ds, "base", (0,))
-        ds = parts[int(np.searchsorted(base, shard, side="right")) - 1]
+        ds = self.ds.part_of(shard)
         if not ds.still_same():
             raise StreamError(f"{ds.url} was re-packed or removed while this run reads it (its manifest.json is gone "
                               "or lists other shards): its batches would mix two versions; pack into a new "

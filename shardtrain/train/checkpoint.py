@@ -50,7 +50,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -338,9 +338,9 @@ def prune(ckpt_dir: Path, keep_last: int, storage_options: dict | None = None, *
                     ", ".join(_name(p) for p in stale), step_dir_name(committed or 0))
     ckpts = [(s, p) for s, p in ckpts if p not in stale]
     keep = {p for _, p in ckpts[-keep_last:]} if keep_last > 0 else set()
-    scored = [(v, s, p) for s, p in ckpts if (v := _val_loss(p, storage_options)) is not None]
-    if scored:
-        keep.add(min(scored)[2])
+    best = lowest_val_loss([(v, s, p) for s, p in ckpts if (v := _val_loss(p, storage_options)) is not None])
+    if best is not None:
+        keep.add(best)
     removed = []
     for p in stale + [p for _, p in ckpts if p not in keep]:
         if is_remote(p):  # de-commit first: a kill mid-delete leaves an ignored folder, never a broken checkpoint
@@ -357,15 +357,23 @@ def prune(ckpt_dir: Path, keep_last: int, storage_options: dict | None = None, *
     return removed
 
 
+def lowest_val_loss(scored: list[tuple[float, int, Any]]) -> Any:
+    """The checkpoint of the lowest val_loss among (val_loss, step, checkpoint) triples, lowest step on a tie; None
+    when none has a score. A NaN val_loss (a validation that diverged) is no score: min() over tuples keeps a
+    leading NaN (every comparison with it is False), which would call the diverged checkpoint the best (and prune
+    the real best one)."""
+    finite = [x for x in scored if not math.isnan(float(x[0]))]
+    return min(finite)[2] if finite else None
+
+
 def _val_loss(path: Path, storage_options: dict | None) -> float | None:
-    """A checkpoint's validation loss; None without one, when its meta.json is unreadable (a damaged old
-    checkpoint must not stop a save after the new one committed), or when it is NaN (a diverged validation is no
-    score: min() over tuples would keep a leading NaN as the best and prune the real best one)."""
+    """A checkpoint's validation loss; None without one, or when its meta.json is unreadable (a damaged old
+    checkpoint must not stop a save after the new one committed)."""
     try:
         v = read_meta(path, storage_options).get("val_loss")
     except (OSError, ValueError, AttributeError):
         return None
-    return None if v is None or math.isnan(float(v)) else float(v)
+    return None if v is None else float(v)
 
 
 def _load(path: Path, name: str, storage_options: dict | None) -> dict:
