@@ -155,7 +155,10 @@ def _remote_parts(step: str, storage_options: dict | None) -> tuple[dict, Tokeni
     return meta, tok, load(storage.join(step, "model.pt"))
 
 
-def _tokenizer(step_dir: Path) -> Tokenizer:
+def _tokenizer(step_dir: Path, meta: dict) -> Tokenizer:
+    """The step's own tokenizer (meta.json's, module docstring), else RUN_DIR/vocab.json, else train_state.pt's."""
+    if isinstance(meta.get("tokenizer"), dict):
+        return tokenizer_from_json(meta["tokenizer"])
     vocab = step_dir.parent.parent / "vocab.json"
     if vocab.is_file():
         return tokenizer_from_json(json.loads(vocab.read_text()))
@@ -247,8 +250,7 @@ def load_trained(path: str | Path, *, device: str = "cpu", which: str = "latest"
         meta = json.loads((step_dir / "meta.json").read_text())
         if "config" not in meta:
             raise CheckpointError(f"{step_dir}/meta.json holds no config; it was not written by `shardtrain train`")
-        tok = tokenizer_from_json(meta["tokenizer"]) if isinstance(meta.get("tokenizer"), dict) else \
-            _tokenizer(step_dir)
+        tok = _tokenizer(step_dir, meta)
         state = torch.load(step_dir / "model.pt", map_location="cpu", weights_only=True)
     cfg: RunConfig = from_dict(RunConfig, meta["config"])
     dev = resolve_device(device)

@@ -9,9 +9,10 @@ Several validation sets (valsets.py) are evaluated one after the other, each ove
 stripe). Each reports its own loss / CER / WER; the overall `val_loss`, `cer`, `wer` (best-checkpoint selection
 reads val_loss) are pooled over every set: total loss / total target tokens (of the utterances CTC can align in
 the model's output frames: the others' loss is 0 by `zero_infinity`, counted as `unalignable`), total character
-edits / total reference characters, total word edits / total reference words. So a set weighs by its size (in tokens, characters,
-words), exactly as if the sets were one set; with one set they are that set's figures. References and hypotheses
-are compared after the tokenizer's normaliser (train/normalize.py), the one its targets were encoded with.
+edits / total reference characters, total word edits / total reference words. So a set weighs by its size (in
+tokens, characters, words), exactly as if the sets were one set; with one set they are that set's figures.
+References and hypotheses are compared after the tokenizer's normaliser (train/normalize.py), the one its targets
+were encoded with.
 """
 from __future__ import annotations
 

@@ -125,8 +125,9 @@ class History:
     """Rows of micro-batch i are rows[offsets[i]:offsets[i+1]]."""
     rows: np.ndarray
     sources: np.ndarray
-    trained: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
-    """bool per row: it reached the weights (False: dropped before the loss, or its step was skipped)."""
+    trained: np.ndarray
+    """bool per row: it reached the weights (False: dropped before the loss, or its step was skipped; True for
+    every row of a ledger written before this was recorded)."""
     cut: list[str] = field(default_factory=list)
     """What later attempts replaced (for the report)."""
 

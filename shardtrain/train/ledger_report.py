@@ -85,8 +85,7 @@ def account(history: History, facts: list[DatasetFacts], expected: Callable[[int
     per_row_epoch = np.repeat(history.epoch, np.diff(history.offsets))
     for e in (epochs if epochs is not None else all_epochs):
         sel = per_row_epoch == e
-        rows, src = history.rows[sel], history.sources[sel]
-        trained = history.trained[sel] if len(history.trained) == len(history.rows) else np.ones(len(rows), bool)
+        rows, src, trained = history.rows[sel], history.sources[sel], history.trained[sel]
         expect = expected(e)
         acc = EpochAccount(epoch=e, complete=any(x > e for x in all_epochs),
                            steps=len(set(history.step[history.epoch == e].tolist())))
@@ -121,10 +120,9 @@ def where_seen(history: History, dataset: int, row: int) -> list[dict]:
     """Every micro-batch that held `row` of dataset `dataset`: epoch, step, rank, batch, attempt, and whether it
     reached the weights."""
     hits = np.flatnonzero((history.rows == row) & (history.sources == dataset))
-    trained = history.trained if len(history.trained) == len(history.rows) else np.ones(len(history.rows), bool)
     out = []
     for h, i in zip(hits.tolist(), np.searchsorted(history.offsets, hits, side="right") - 1):
         out.append({"epoch": int(history.epoch[i]), "step": int(history.step[i]), "rank": int(history.rank[i]),
                     "batch": int(history.batch[i]), "attempt": history.attempts[int(history.attempt[i])].attempt,
-                    "trained": bool(trained[h])})
+                    "trained": bool(history.trained[h])})
     return out
