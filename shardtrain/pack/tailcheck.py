@@ -1,7 +1,8 @@
 """Does the content of an audio file reach the length its header claims? Cheaply, without decoding it all.
 
-    check_tail(data, info, where)  -> None, or AudioError("truncated_audio")   (what --no-decode-check still does)
-    seek_tail(f, end, where)       -> the same on an open SoundFile, by a seek and a short read
+    check_tail(data, info, where)    -> None, or AudioError("truncated_audio")   (what --no-decode-check still does)
+    check_decoded(data, info, where) -> the same by a full decode (the decode check)
+    seek_tail(f, end, where)         -> the same on an open SoundFile, by a seek and a short read
 
 A header is a claim: FLAC's STREAMINFO carries the total sample count, and a file cut short (an interrupted copy)
 or crafted keeps claiming it. Stored as is, the index promises samples the loader cannot decode, and `inspect
@@ -160,7 +161,17 @@ def check_tail(data: bytes, info: AudioInfo, where: str) -> None:
                 return
     except SF_ERRORS as e:
         raise AudioError("unreadable_audio", f"{where}: {e}") from e
-    decoded = decoded_frames(data)  # a codec libsndfile cannot seek (GSM 6.10): decoded through, constant memory
+    check_decoded(data, info, where)  # a codec libsndfile cannot seek (GSM 6.10): decoded through
+
+
+def check_decoded(data: bytes, info: AudioInfo, where: str) -> None:
+    """Decode `data` fully (format.audio.decoded_frames: constant memory, no Python IO callbacks) and check it
+    yields the promised sample count: AudioError("truncated_audio") when not (the decode check that
+    `--no-decode-check` turns off)."""
+    try:
+        decoded = decoded_frames(data)
+    except AudioError as e:
+        raise AudioError(e.reason, f"{where}: {e.detail}") from e
     if decoded != info.num_samples:
         raise AudioError("truncated_audio", f"{where}: header promises {info.num_samples} samples, decode yields "
                                             f"{decoded}")

@@ -25,13 +25,13 @@ from typing import IO
 import numpy as np
 import soundfile as sf
 
-from shardtrain.format.audio import FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, FloatScan, decoded_frames
+from shardtrain.format.audio import FLOAT_SUBTYPES, SF_ERRORS, AudioError, AudioInfo, FloatScan
 from shardtrain.format.audio import downmix, float_peak, float_scan, float_to_int16
 from shardtrain.format.codecs import CODECS, SF_FORMAT
 from shardtrain.pack.item import Item
 from shardtrain.pack.config import AudioTarget, channel_index  # noqa: F401 (AudioTarget: re-exported)
 from shardtrain.pack.probe import SEGMENT_TOLERANCE_S, open_audio, read_audio_bytes
-from shardtrain.pack.tailcheck import check_tail, seek_tail
+from shardtrain.pack.tailcheck import check_decoded, check_tail, seek_tail
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +56,6 @@ def _segment_frames(item: Item, info: AudioInfo) -> tuple[int, int]:
     if start == 0 and total - count <= SEGMENT_TOLERANCE_S * rate:
         count = total  # the whole file, give or take manifest rounding
     return start, count
-
-
-def _verify_bytes(data: bytes, info: AudioInfo, where: str) -> None:
-    """Decode `data` fully (format.audio.decoded_frames: constant memory, no Python IO callbacks) and check it
-    yields the promised sample count."""
-    try:
-        decoded = decoded_frames(data)
-    except AudioError as e:
-        raise AudioError(e.reason, f"{where}: {e.detail}") from e
-    if decoded != info.num_samples:
-        raise AudioError("truncated_audio", f"{where}: header promises {info.num_samples} samples, decode yields "
-                                            f"{decoded}")
 
 
 def _clip_policy(clipped: int, samples: int, peak: float, target: AudioTarget, where: str) -> int:
@@ -164,7 +152,7 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
         if scan is not None:  # float: always read whole (NaN/Inf, overs), which is also the decode check
             _note_clipped(notes, _check_kept_float(scan, info, target, item.audio))
         elif target.verify_decode:
-            _verify_bytes(data, info, item.audio)
+            check_decoded(data, info, item.audio)
         else:  # still never store a header that lies about its length (the loader would find out mid-epoch)
             check_tail(data, info, item.audio)
         return data, info

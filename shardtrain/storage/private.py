@@ -128,10 +128,10 @@ def _host_tag() -> str:
 
 
 def _sweep_orphans(folder: Path) -> None:
-    now = time.time()
+    now, host = time.time(), _host_tag()
     for n in os.listdir(folder):
         m = _PID.search(n)
-        if m is None or m[2] != _host_tag() or not pid_gone(int(m[1])):
+        if m is None or m[2] != host or not pid_gone(int(m[1])):
             continue
         p = folder / n
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
