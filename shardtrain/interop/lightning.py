@@ -44,6 +44,7 @@ from shardtrain.load.batch import Batch
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import Loader, build_loader
 from shardtrain.train.config import RunConfig
+from shardtrain.train.evaluate import validation_stream
 from shardtrain.train.guards import alignable_tokens
 from shardtrain.train.schedule import augment_seed, lr_factor
 from shardtrain.train.model import build_model
@@ -101,8 +102,10 @@ class ShardDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> torch.utils.data.DataLoader | list:
         if not self.val_url:
             return []
+        # every utterance, as the trainer's validation: without the training filters, budgets that hold the longest
         loader = build_loader(self.val_url, world=self._world(), seed=self.seed,
-                              cfg=dataclasses.replace(self.stream, epochs=1), storage_options=self.storage_options)
+                              cfg=validation_stream(self.stream, self.val_url, self.storage_options),
+                              storage_options=self.storage_options)
         return torch.utils.data.DataLoader(BatchStream(loader), batch_size=None)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -12,7 +12,9 @@ the model's output frames: the others' loss is 0 by `zero_infinity`, counted as 
 edits / total reference characters, total word edits / total reference words. So a set weighs by its size (in
 tokens, characters, words), exactly as if the sets were one set; with one set they are that set's figures.
 References and hypotheses are compared after the tokenizer's normaliser (train/normalize.py), the one its targets
-were encoded with.
+were encoded with. Every utterance of a set is scored: the training stream's load-time filters (duration, speakers)
+choose what training reads, not what it is scored on, so validation reads without them, and with budgets that hold
+its longest utterance alone (`validation_stream`; such a batch is one utterance, run without gradients).
 """
 from __future__ import annotations
 
@@ -20,9 +22,13 @@ import dataclasses
 
 from typing import cast
 
+import numpy as np
 import torch
 
+from shardtrain.format.manifest import open_dataset
+from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import build_loader
+from shardtrain.load.plan import cost_s
 from shardtrain.train.guards import alignable_tokens
 from shardtrain.train.text import error_counts
 from shardtrain.train.valsets import ValSet, val_sets
@@ -43,12 +49,36 @@ def _rates(s: dict) -> dict:
             "wer": s["word_errors"] / max(s["words"], 1.0)}
 
 
+def validation_stream(stream: StreamConfig, url: str, storage_options: dict | None) -> StreamConfig:
+    """The training stream config for one pass over the validation set at `url`, leaving out nothing: without the
+    load-time filters (a `max_duration_s` or a speaker list chosen for training left matching dev utterances
+    out of CER/WER, counted nowhere in the val row) and with every budget raised, where needed, to the cost of
+    the longest utterance it can hold (else one longer than `max_batch_seconds`, or than its budget table
+    entry, was left out as too long). Costs one manifest read (shards' longest durations)."""
+    bucket = stream.bucket
+    longest = max((s.max_duration_s for s in open_dataset(url, storage_options).shards), default=0.0)
+
+    def fits(d: float, budget: float) -> float:  # a budget the cost of one utterance of `d` seconds does not pass
+        need = float(cost_s(np.array([d]), dataclasses.replace(bucket, budget_table=None))[0])
+        return max(budget, need * (1 + 1e-6) + 1e-6)
+
+    if bucket.budget_table is None:
+        bucket = dataclasses.replace(bucket, max_batch_seconds=fits(longest, bucket.max_batch_seconds))
+    else:
+        last = len(bucket.budget_table) - 1
+        table = tuple((e, fits(longest if i == last else min(e, longest), b))
+                      for i, (e, b) in enumerate(bucket.budget_table))
+        bucket = dataclasses.replace(bucket, budget_table=table)
+    return dataclasses.replace(stream, epochs=1, bucket=bucket, min_duration_s=None, max_duration_s=None,
+                               speakers=(), exclude_speakers=())
+
+
 def _evaluate_set(ctx: StepContext, model: torch.nn.Module, tok, vs: ValSet,
                   storage_options: dict | None) -> tuple[dict, list[tuple[str, str]]]:
     """This rank's sums (SUMS) and (reference, hypothesis) pairs over its stripe of one validation set."""
     tc, device = ctx.cfg.train, ctx.device
-    loader = build_loader(vs.url, world=ctx.world, seed=tc.seed, cfg=dataclasses.replace(ctx.cfg.stream, epochs=1),
-                          storage_options=storage_options)
+    loader = build_loader(vs.url, world=ctx.world, seed=tc.seed,
+                          cfg=validation_stream(ctx.cfg.stream, vs.url, storage_options), storage_options=storage_options)
     sums = dict.fromkeys(SUMS, 0.0)
     examples: list[tuple[str, str]] = []
     batches = iter(loader)

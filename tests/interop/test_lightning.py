@@ -94,3 +94,15 @@ def test_lightning_ddp_resumes_mid_epoch_with_the_same_batches_and_losses(datase
     names = {p.name for p in (tmp_path / "a" / "checkpoints").iterdir()}
     assert any(n.startswith("best-") for n in names) and "last.ckpt" in names
     assert list((tmp_path / "a" / "tensorboard").rglob("events.out.tfevents*"))
+
+
+def test_the_validation_loader_reads_every_utterance_whatever_the_training_filters_and_budget(dataset):
+    """The training stream's duration filter and a budget below the longest utterance left dev utterances out of
+    Lightning's val_loss (as they did of the trainer's validation)."""
+    from shardtrain.interop.lightning import ShardDataModule
+
+    stream = StreamConfig(bucket=BucketConfig(max_batch_seconds=1.0, num_buckets=1), max_duration_s=1.2,
+                          decode_threads=1)
+    dm = ShardDataModule(dataset, dataset, stream=stream, seed=0)
+    keys = [k for b in dm.val_dataloader() for k in b.keys]
+    assert max(DURS) > 1.2 and sorted(keys) == sorted(set(keys)) and len(keys) == len(DURS)

@@ -10,6 +10,7 @@ import torch
 
 from pipelines import load_pipeline
 from shardtrain.train import evaluate as ev
+from shardtrain.train.closedloop import with_table
 from shardtrain.train.model import build_model
 from shardtrain.train.overrides import apply_overrides
 from shardtrain.train.step import Augmenters, Collectives, StepContext
@@ -63,3 +64,26 @@ def test_per_set_and_pooled_figures(sets):
     assert row["step"] == 12 and row["cer"] == res["cer"] and row["val/other/utts"] == 4
     assert isinstance(row["val/clean/chars"], int) and set(row) >= {f"val/{n}/{k}" for n in ("clean", "other")
                                                                    for k in ev.SET_KEYS}
+
+
+@pytest.mark.parametrize("extra", [["stream.max_duration_s=2.2", "stream.min_duration_s=1.5"],
+                                   ["stream.exclude_speakers=2770"], ["stream.speakers=5159,8518"],
+                                   ["stream.bucket.max_batch_seconds=2.5"],
+                                   [((2.0, 2.1), (3.0, 2.5))]])
+def test_validation_scores_every_utterance_whatever_the_training_filters_and_budgets(sets, extra):
+    """A training stream that filters by duration or speaker, or whose budget (or budget table entry) one dev
+    utterance exceeds, left those utterances out of val CER/WER, counted nowhere in the row."""
+    a, _ = sets
+    table = extra[0] if isinstance(extra[0], tuple) else None
+    cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + [f"train.data_url={a}", f"train.val_data_url={a}"]
+                          + ([] if table else extra))
+    cfg = with_table(cfg, table) if table else cfg
+    tok = CharVocab.from_index(a)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, len(tok), cfg.features.n_mels)
+    cpu = torch.device("cpu")
+    res = ev.evaluate(StepContext(cfg, World(), cpu, Collectives(World(), cpu), Augmenters(cfg, cpu)), model, tok, None)
+    index = pq.read_table(f"{a}/index.parquet", columns=["duration_s", "text"])
+    [s] = res["sets"].values()
+    assert max(index.column("duration_s").to_pylist()) > 2.5  # the budgets above leave out the longest
+    assert s["utts"] == 6 and s["chars"] == sum(len(tok.normalizer.apply(t)) for t in index.column("text").to_pylist())
