@@ -54,6 +54,9 @@ from shardtrain.world import World
 
 log = logging.getLogger(__name__)
 
+PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+"""train.precision -> Lightning's precision (autocast and, for fp16, a GradScaler: what the trainer does)."""
+
 
 class _TrackedStream(BatchStream):
     """BatchStream that remembers the loader state after each yielded batch, keyed by (epoch, step)."""
@@ -145,7 +148,9 @@ class CTCLightningModule(pl.LightningModule):
         if train:
             gen = torch.Generator().manual_seed(augment_seed(self.cfg.train.seed, batch.epoch, batch.step,
                                                              self.global_rank))
-        with torch.no_grad():
+        # outside Lightning's autocast, as the trainer runs them: in bf16/fp16 the resampler crashed on the CPU
+        # (a dtype mismatch) and the log-mel lost precision on the GPU
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             feats, feat_lengths = self._augmenters(waves, lengths, batch.sample_rate_hz, gen,
                                                    train=train and self.cfg.train.augment)
         return feats, feat_lengths, targets, target_lengths
@@ -188,6 +193,10 @@ def build_trainer(cfg: RunConfig, out_dir: str | Path, *, callbacks: list | None
     """A Trainer with top-3 checkpoints by val_loss (`best-step=N-val_loss=X.ckpt`), one `step=N.ckpt` and a
     rolling `last.ckpt` every `train.ckpt_every_steps` (`shardtrain transcribe/evaluate/export RUN_DIR` read them),
     TensorBoard logs and an LR monitor, stepping `train.max_steps` and validating every `train.val_every_steps`.
+    `train.grad_accum_steps` and `train.precision` become Lightning's accumulate_grad_batches and precision (left
+    out, a config run by `shardtrain train` as bf16 with 8-step accumulation trained here in fp32 on 1/8 the
+    global batch at the same learning rate, saying nothing). Lightning counts val_check_interval in batches, not
+    optimiser steps: it is val_every_steps x grad_accum_steps.
     `callbacks` are added to these; `trainer_kwargs` (accelerator, devices, strategy, ...) override the defaults.
     The top-3 callback monitors val_loss, so give the ShardDataModule a validation set."""
     tc, out = cfg.train, Path(out_dir)
@@ -202,9 +211,10 @@ def build_trainer(cfg: RunConfig, out_dir: str | Path, *, callbacks: list | None
         LearningRateMonitor(logging_interval="step"),
     ]
     kwargs: dict[str, Any] = dict(
-        max_steps=tc.max_steps, val_check_interval=val_every, check_val_every_n_epoch=None,
+        max_steps=tc.max_steps, val_check_interval=val_every * tc.grad_accum_steps, check_val_every_n_epoch=None,
         limit_val_batches=tc.val_max_batches if tc.val_max_batches is not None else 1.0,
-        gradient_clip_val=tc.grad_clip_norm or None, log_every_n_steps=min(tc.log_every_steps, 50),
+        gradient_clip_val=tc.grad_clip_norm or None, accumulate_grad_batches=tc.grad_accum_steps,
+        precision=PRECISIONS[tc.precision], log_every_n_steps=min(tc.log_every_steps, 50),
         logger=TensorBoardLogger(str(out), name="tensorboard"), callbacks=callbacks,
         default_root_dir=str(out), enable_progress_bar=tc.progress, num_sanity_val_steps=0)
     kwargs.update(trainer_kwargs)

@@ -106,3 +106,44 @@ def test_the_validation_loader_reads_every_utterance_whatever_the_training_filte
     dm = ShardDataModule(dataset, dataset, stream=stream, seed=0)
     keys = [k for b in dm.val_dataloader() for k in b.keys]
     assert max(DURS) > 1.2 and sorted(keys) == sorted(set(keys)) and len(keys) == len(DURS)
+
+
+def test_build_trainer_accumulates_and_casts_as_the_config_says(dataset, tmp_path):
+    """train.grad_accum_steps and train.precision were dropped by build_trainer: a config trained in bf16 with
+    accumulation by `shardtrain train` ran here in fp32 on a smaller global batch; validation is still every
+    val_every_steps optimiser steps (Lightning counts its interval in batches), and the features are computed
+    outside autocast, as the trainer does (in it, speed perturbation crashed on a dtype mismatch)."""
+    import dataclasses
+
+    import pytorch_lightning as pl
+
+    from pipelines.tiny_cpu import config
+    from shardtrain.interop.lightning import CTCLightningModule, ShardDataModule, build_trainer
+    from shardtrain.train.model import ModelConfig
+    from shardtrain.train.text import CharVocab
+
+    base = config()
+    cfg = dataclasses.replace(
+        base, stream=dataclasses.replace(base.stream, bucket=BUCKET, decode_threads=1),
+        model=ModelConfig(d_model=32, num_layers=1, num_heads=2, conv_kernel=3),
+        train=dataclasses.replace(base.train, max_steps=2, val_every_steps=1, ckpt_every_steps=2, val_max_batches=1,
+                                  warmup_steps=1, progress=False, grad_accum_steps=3, precision="bf16"))
+    seen: dict[str, list] = {"batches": [], "val_at": [], "dtype": [], "feats": []}
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen["batches"].append(trainer.global_step)
+
+        def on_validation_end(self, trainer, module):
+            seen["val_at"].append(trainer.global_step)
+
+    module = CTCLightningModule(cfg, CharVocab.from_index(dataset, normalizer=cfg.text).to_json())
+    module.model.head.register_forward_hook(lambda m, i, o: seen["dtype"].append(o.dtype))
+    module.model.subsample.register_forward_pre_hook(lambda m, i: seen["feats"].append(i[0].dtype))
+    trainer = build_trainer(cfg, tmp_path, callbacks=[Record()], accelerator="cpu", devices=1,
+                            enable_model_summary=False)
+    trainer.fit(module, datamodule=ShardDataModule(dataset, dataset, stream=cfg.stream, seed=0))
+    assert trainer.accumulate_grad_batches == 3 and trainer.global_step == 2
+    assert seen["batches"] == [0, 0, 1, 1, 1, 2]  # three batches per optimiser step
+    assert seen["val_at"] == [1, 2] and set(seen["dtype"]) == {torch.bfloat16}
+    assert set(seen["feats"]) == {torch.float32}  # features as the trainer computes them: outside autocast
