@@ -14,21 +14,20 @@ tokens, characters, words), exactly as if the sets were one set; with one set th
 References and hypotheses are compared after the tokenizer's normaliser (train/normalize.py), the one its targets
 were encoded with. Every utterance of a set is scored: the training stream's load-time filters (duration, speakers)
 choose what training reads, not what it is scored on, so validation reads without them, and with budgets that hold
-its longest utterance alone (`validation_stream`; such a batch is one utterance, run without gradients).
+its longest utterance (`validation_stream`: only lengths the training budget cannot hold get a larger one).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from typing import cast
 
-import numpy as np
 import torch
 
 from shardtrain.format.manifest import open_dataset
 from shardtrain.load.config import StreamConfig
 from shardtrain.load.loader import build_loader
-from shardtrain.load.plan import cost_s
 from shardtrain.train.guards import alignable_tokens
 from shardtrain.train.text import error_counts
 from shardtrain.train.valsets import ValSet, val_sets
@@ -52,25 +51,44 @@ def _rates(s: dict) -> dict:
 def validation_stream(stream: StreamConfig, url: str, storage_options: dict | None) -> StreamConfig:
     """The training stream config for one pass over the validation set at `url`, leaving out nothing: without the
     load-time filters (a `max_duration_s` or a speaker list chosen for training left matching dev utterances
-    out of CER/WER, counted nowhere in the val row) and with every budget raised, where needed, to the cost of
-    the longest utterance it can hold (else one longer than `max_batch_seconds`, or than its budget table
-    entry, was left out as too long). Costs one manifest read (shards' longest durations)."""
+    out of CER/WER, counted nowhere in the val row) and with budgets that hold its longest utterance (else one
+    longer than `max_batch_seconds`, or than its budget table entry, was left out as too long). Only lengths the
+    training budget cannot hold get a budget of their own (`_fitting_table`): no batch costs more than the
+    longest utterance alone, which validation must run anyway. Costs one manifest read (shards' longest)."""
     bucket = stream.bucket
     longest = max((s.max_duration_s for s in open_dataset(url, storage_options).shards), default=0.0)
-
-    def fits(d: float, budget: float) -> float:  # a budget the cost of one utterance of `d` seconds does not pass
-        need = float(cost_s(np.array([d]), dataclasses.replace(bucket, budget_table=None))[0])
-        return max(budget, need * (1 + 1e-6) + 1e-6)
-
-    if bucket.budget_table is None:
-        bucket = dataclasses.replace(bucket, max_batch_seconds=fits(longest, bucket.max_batch_seconds))
-    else:
-        last = len(bucket.budget_table) - 1
-        table = tuple((e, fits(longest if i == last else min(e, longest), b))
-                      for i, (e, b) in enumerate(bucket.budget_table))
-        bucket = dataclasses.replace(bucket, budget_table=table)
+    table = bucket.budget_table or ((max(longest, bucket.max_batch_seconds), bucket.max_batch_seconds),)
+    fitted = _fitting_table(table, longest, bucket.quadratic_duration_s)
+    if fitted != table:
+        bucket = dataclasses.replace(bucket, budget_table=fitted)
     return dataclasses.replace(stream, epochs=1, bucket=bucket, min_duration_s=None, max_duration_s=None,
                                speakers=(), exclude_speakers=())
+
+
+def _fitting_table(table: tuple[tuple[float, float], ...], longest: float,
+                   quadratic: float | None) -> tuple[tuple[float, float], ...]:
+    """`table` (BucketConfig.budget_table) with each entry whose budget one of its lengths (up to `longest`)
+    exceeds alone cut in two: the lengths its budget holds keep it, the rest get the cost of the entry's longest."""
+    def cost(d: float) -> float:
+        return d if quadratic is None else d + d * d / quadratic
+
+    def holds(b: float) -> float:  # the longest utterance whose cost alone is within b
+        d = b if quadratic is None else quadratic / 2 * (math.sqrt(1 + 4 * b / quadratic) - 1)
+        return d * (1 - 1e-9)
+
+    out: list[tuple[float, float]] = []
+    prev = 0.0
+    for i, (edge, budget) in enumerate(table):
+        last = i == len(table) - 1
+        top = longest if last else min(edge, longest)
+        if cost(top) <= budget:
+            out.append((edge, budget))
+        else:
+            if holds(budget) > prev:
+                out.append((holds(budget), budget))
+            out.append((max(edge, longest) if last else edge, cost(top) * (1 + 1e-6)))
+        prev = out[-1][0]
+    return tuple(out)
 
 
 def _evaluate_set(ctx: StepContext, model: torch.nn.Module, tok, vs: ValSet,

@@ -4,6 +4,8 @@ size-weighted combination of the per-set ones, the model is left training, and t
 (validation inside real training runs: tests/train/test_valsets.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -87,3 +89,18 @@ def test_validation_scores_every_utterance_whatever_the_training_filters_and_bud
     [s] = res["sets"].values()
     assert max(index.column("duration_s").to_pylist()) > 2.5  # the budgets above leave out the longest
     assert s["utts"] == 6 and s["chars"] == sum(len(tok.normalizer.apply(t)) for t in index.column("text").to_pylist())
+
+
+def test_only_lengths_the_training_budget_cannot_hold_get_a_larger_one(sets):
+    a, _ = sets
+    longest = max(pq.read_table(f"{a}/index.parquet", columns=["duration_s"]).column("duration_s").to_pylist())
+    cfg = apply_overrides(load_pipeline("tiny_cpu"), SMALL + ["stream.min_duration_s=2"])
+    got = ev.validation_stream(cfg.stream, a, None)
+    assert got.bucket == cfg.stream.bucket and got.min_duration_s is None and got.epochs == 1  # all fit: unchanged
+    small = dataclasses.replace(cfg.stream, bucket=dataclasses.replace(cfg.stream.bucket, max_batch_seconds=2.5))
+    [(e1, b1), (e2, b2)] = ev.validation_stream(small, a, None).bucket.budget_table
+    assert (e1, b1) == (pytest.approx(2.5), 2.5) and e2 >= longest and b2 == pytest.approx(longest)
+    # d + d^2/10: 2 s costs 2.4, 4 s 5.6; the 4 s entry's budget holds 3.06 s alone; the last one holds the longest
+    table = ev._fitting_table(((2.0, 3.0), (4.0, 4.0), (6.0, 10.0)), longest, 10.0)
+    assert [e for e, _ in table] == [2.0, pytest.approx(3.0623, abs=1e-4), 4.0, 6.0]
+    assert [b for _, b in table] == [3.0, 4.0, pytest.approx(5.6), 10.0]
