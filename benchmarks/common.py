@@ -127,7 +127,23 @@ def dataset_summary(ds: Path) -> dict:
     m = json.loads((ds / "manifest.json").read_text())
     return {"samples": m["totals"]["samples"], "audio_hours": round(m["totals"]["seconds"] / 3600, 3),
             "bytes_mb": round(m["totals"]["bytes"] / 2**20, 1), "shards": m["totals"]["shards"],
-            "mean_duration_s": round(m["totals"]["seconds"] / max(1, m["totals"]["samples"]), 3)}
+            "mean_duration_s": round(m["totals"]["seconds"] / max(1, m["totals"]["samples"]), 3),
+            "sample_rate_hz": dataset_rate(ds)}
+
+
+def dataset_rate(ds: Path) -> int:
+    """The sample rate of a packed dataset (its index's one `sample_rate_hz`): what the peers' decoded lengths are
+    divided by to count audio seconds. A fixed 16 kHz made an 8 kHz dataset's webdataset run and decode limit
+    report half the audio the loader delivered (and a 24 kHz one 1.5x), so every ratio against them was off by the
+    rate. One column read (a few MB per million rows). Mixed rates raise: the loader refuses them too."""
+    import pyarrow.parquet as pq
+
+    m = json.loads((ds / "manifest.json").read_text())
+    col = pq.read_table(ds / (m.get("index") or "index.parquet"), columns=["sample_rate_hz"]).column(0)
+    rates = sorted({int(r) for r in np.unique(col.to_numpy())})
+    if len(rates) != 1:
+        raise SystemExit(f"{ds}: sample rates {rates}; the benchmarks (and the loader) need one rate per dataset")
+    return rates[0]
 
 
 def shard_paths(ds: Path) -> list[str]:

@@ -34,7 +34,6 @@ from pathlib import Path
 from benchmarks import common
 
 log = logging.getLogger("bench")
-SAMPLE_RATE_HZ = 16000
 
 
 # ---------------------------------------------------------------------------------------------- runners
@@ -53,10 +52,14 @@ def run_shardtrain(url: str, workers: int, max_batch_seconds: float, seed: int =
                         storage_options=storage_options)
 
 
-def _wds_decode(sample: dict):
+def _wds_decode(sample: dict, sample_rate_hz: int):
+    """(float32 wave, text); a member at another rate than the dataset's raises: its length would count as the
+    wrong number of audio seconds."""
     import soundfile as sf
 
-    wave, _ = sf.read(io.BytesIO(sample["flac"]), dtype="float32")
+    wave, rate = sf.read(io.BytesIO(sample["flac"]), dtype="float32")
+    if rate != sample_rate_hz:
+        raise ValueError(f"{sample['__key__']}: {rate} Hz in a dataset of {sample_rate_hz} Hz")
     text = json.loads(sample["json"]).get("text", "")  # shardtrain parses the json too
     return wave, text
 
@@ -78,9 +81,11 @@ def _pad(items: list):
 
 
 def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0, shuffle_buffer: int = 1000,
-                   epochs: int = 1) -> dict:
+                   epochs: int = 1, *, sample_rate_hz: int) -> dict:
     """The plain pipeline a webdataset user writes: shard shuffle, sample shuffle, decode, fixed batches; one
-    pass over the DataLoader per epoch, as a training loop does."""
+    pass over the DataLoader per epoch, as a training loop does. Audio seconds = delivered lengths /
+    `sample_rate_hz` (the dataset's rate, common.dataset_rate)."""
+    import functools
     import itertools
 
     import torch
@@ -91,17 +96,22 @@ def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0
     with RssSampler() as rss:
         t0 = time.perf_counter()
         ds = (wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False)
-              .shuffle(shuffle_buffer).map(_wds_decode).batched(batch_size, collation_fn=_pad, partial=True))
+              .shuffle(shuffle_buffer).map(functools.partial(_wds_decode, sample_rate_hz=sample_rate_hz)).batched(batch_size, collation_fn=_pad, partial=True))
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
                                          prefetch_factor=2 if workers else None)
         batches = itertools.chain.from_iterable(dl for _ in range(epochs))
-        out = common.time_batches(batches, sample_rate_hz=SAMPLE_RATE_HZ, t_start=t0, rss=rss)
+        out = common.time_batches(batches, sample_rate_hz=sample_rate_hz, t_start=t0, rss=rss)
     return {**out, "workers": workers, "batch_size": batch_size}
 
 
 def _flac_frames(blob: bytes) -> int:
     """Total samples from a FLAC STREAMINFO block (bytes 18-25 hold rate, channels, depth and the 36-bit count)."""
     return int.from_bytes(blob[18:26], "big") & ((1 << 36) - 1)
+
+
+def _flac_rate(blob: bytes) -> int:
+    """Sample rate from a FLAC STREAMINFO block (the 20 bits at byte 18)."""
+    return int.from_bytes(blob[18:21], "big") >> 4
 
 
 def _limit_worker_init() -> None:
@@ -112,8 +122,10 @@ def _limit_worker_init() -> None:
     import shardtrain.format.audio  # noqa: F401
 
 
-def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int, float]:
-    """(frames, utterances, CPU seconds) of one shard: read the whole tar, decode every FLAC member to int16.
+def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[float, int, float]:
+    """(audio seconds, utterances, CPU seconds) of one shard: read the whole tar, decode every FLAC member to int16.
+    Seconds are each member's decoded frames over its own rate (STREAMINFO), not a fixed 16 kHz. A shard whose
+    samples are not all FLAC raises: skipping their audio would make the ceiling measure part of the work.
 
     decoder "soundfile": `sf.read(BytesIO)`, what a user writes; "libsndfile": libsndfile on a memfd without
     Python IO callbacks (shardtrain's decoder before dr_flac: the fastest libsndfile path); "decode_into":
@@ -130,19 +142,23 @@ def _decode_shard(path: str, decoder: str = "soundfile") -> tuple[int, int, floa
     cpu0 = time.process_time()
     with open(path, "rb") as f:
         data = f.read()
-    frames = n = 0
+    seconds, n, metas = 0.0, 0, 0
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
         for m in tf:
+            metas += m.name.endswith(".json")
             if m.name.endswith(".flac"):
                 blob = tf.extractfile(m).read()
                 if decoder == "soundfile":
-                    frames += len(sf.read(io.BytesIO(blob), dtype="int16")[0])
+                    frames = len(sf.read(io.BytesIO(blob), dtype="int16")[0])
                 elif decoder == "libsndfile":
-                    frames += audio._decoder().decode_into(blob, np.zeros(_flac_frames(blob), np.int16))
+                    frames = audio._decoder().decode_into(blob, np.zeros(_flac_frames(blob), np.int16))
                 else:
-                    frames += audio.decode_into(blob, np.zeros(_flac_frames(blob), np.int16))
+                    frames = audio.decode_into(blob, np.zeros(_flac_frames(blob), np.int16))
+                seconds += frames / _flac_rate(blob)
                 n += 1
-    return frames, n, time.process_time() - cpu0
+    if n != metas:
+        raise ValueError(f"{path}: {metas - n} of {metas} samples are not FLAC; the decode limit reads FLAC only")
+    return seconds, n, time.process_time() - cpu0
 
 
 def run_decode_limit(paths: list[str], processes: int, epochs: int = 1, decoder: str = "soundfile") -> dict:
@@ -159,8 +175,7 @@ def run_decode_limit(paths: list[str], processes: int, epochs: int = 1, decoder:
             t0 = time.perf_counter()
             res = list(pool.imap_unordered(functools.partial(_decode_shard, decoder=decoder), paths, chunksize=1))
             wall = time.perf_counter() - t0
-    frames, n, cpu = sum(r[0] for r in res), sum(r[1] for r in res), sum(r[2] for r in res)
-    audio_s = frames / SAMPLE_RATE_HZ
+    audio_s, n, cpu = sum(r[0] for r in res), sum(r[1] for r in res), sum(r[2] for r in res)
     # CPU seconds of the decode work itself: on a machine shared with other jobs, audio seconds per CPU second
     # compares costs where wall-clock rates only compare luck with the scheduler
     return {"samples": n, "audio_seconds": round(audio_s, 3), "wall_seconds": round(wall, 3),
@@ -185,9 +200,10 @@ class Targets:
         self.kw: dict[tuple[str, str], dict] = {}
         shards = common.shard_paths(ds)
         self.kw[("shardtrain", "local")] = {"url": str(ds)}
-        self.kw[("webdataset", "local")] = {"urls": shards}
+        rate = common.dataset_rate(ds)  # the peers count audio seconds from decoded lengths at this rate
+        self.kw[("webdataset", "local")] = {"urls": shards, "sample_rate_hz": rate}
         if shar is not None:
-            self.kw[("lhotse", "local")] = _shar_fields(shar, lambda p: str(p))
+            self.kw[("lhotse", "local")] = {**_shar_fields(shar, lambda p: str(p)), "sample_rate_hz": rate}
         if "s3" in storages:
             from shardtrain.testing.s3server import LocalS3
 
@@ -198,7 +214,8 @@ class Targets:
             url = common.upload_dir(self.s3, ds, "bench", "ds")
             self.kw[("shardtrain", "s3")] = {"url": url, "storage_options": self.s3.storage_options}
             keys = [f"ds/{Path(p).name}" for p in shards]
-            self.kw[("webdataset", "s3")] = {"urls": common.presigned_urls(self.s3, "bench", keys)}
+            self.kw[("webdataset", "s3")] = {"urls": common.presigned_urls(self.s3, "bench", keys),
+                                             "sample_rate_hz": rate}
             if shar is not None:
                 common.upload_dir(self.s3, shar, "bench", "shar")
 
@@ -208,7 +225,7 @@ class Targets:
                     # the trailing shell comment gives lhotse the file name it picks the reader by
                     return f"pipe:curl -s -f -L '{u}'{gunzip} #/{p.name}"
 
-                self.kw[("lhotse", "s3")] = _shar_fields(shar, curl)
+                self.kw[("lhotse", "s3")] = {**_shar_fields(shar, curl), "sample_rate_hz": rate}
             self.env = self.s3.env
             log.info("uploaded to SeaweedFS %s in %.1f s", self.s3.endpoint_url, time.perf_counter() - t0)
 
@@ -288,13 +305,14 @@ def _log_run(r: dict, jsonl) -> None:
 
 def rows_for_table(runs: dict, limit: dict, ref_workers: int | None = None) -> tuple[list[dict], list[dict]]:
     """(formatted table rows, JSON summary rows) with ratios against shardtrain of the same storage and of the
-    same workers, or of `ref_workers` when given (compare.py: shardtrain's default, threads in one process)."""
+    same workers, or of `ref_workers` when given (compare.py: shardtrain's default, threads in one process).
+    Without a shardtrain run to compare with (`--tools webdataset lhotse`) the ratios are None, not 1."""
     table, summary = [], []
     lim = limit["audio_s_per_s"]["median"]
     for (tool, storage, workers), rs in runs.items():
         agg = common.aggregate(rs)
-        ref = common.aggregate(runs.get(("shardtrain", storage, workers if ref_workers is None else ref_workers), rs))
-        st = ref["audio_s_per_s"]["median"]
+        ref_runs = runs.get(("shardtrain", storage, workers if ref_workers is None else ref_workers))
+        st = common.aggregate(ref_runs)["audio_s_per_s"]["median"] if ref_runs else None
         me = agg["audio_s_per_s"]["median"]
         row = {"tool": tool, "storage": storage, "workers": workers, "runs": len(rs), **agg,
                "vs_shardtrain": common.ratio(me, st), "shardtrain_over_tool": common.ratio(st, me),

@@ -57,18 +57,26 @@ def prepare_shar(work_dir: Path, corpus: Path, num_shards: int) -> Path:
 
 
 class PaddedAudio:
-    """The minimal lhotse dataset: a CutSet batch -> (float32 [B, T] zero-padded, lengths, texts), like the others."""
+    """The minimal lhotse dataset: a CutSet batch -> (float32 [B, T] zero-padded, lengths, texts), like the others.
+    A cut at another rate than the packed dataset's raises: lhotse would decode other audio than the loader, and
+    its lengths would count as the wrong number of seconds."""
+
+    def __init__(self, sample_rate_hz: int):
+        self.sample_rate_hz = sample_rate_hz
 
     def __getitem__(self, cuts):
         from lhotse.dataset.collation import collate_audio
 
+        other = {c.sampling_rate for c in cuts} - {self.sample_rate_hz}
+        if other:
+            raise ValueError(f"lhotse cuts at {sorted(other)} Hz, the packed dataset at {self.sample_rate_hz} Hz")
         audio, lengths = collate_audio(cuts)
         texts = [c.supervisions[0].text if c.supervisions else "" for c in cuts]
         return audio, lengths, texts
 
 
 def run_lhotse(cuts_paths: list[str], recording_paths: list[str], workers: int, max_duration_s: float,
-               num_buckets: int = 30, seed: int = 0) -> dict:
+               num_buckets: int = 30, seed: int = 0, *, sample_rate_hz: int) -> dict:
     """lhotse's recommended Shar setup: sampler inside each worker over its share of the shards."""
     import torch
     from lhotse import CutSet
@@ -82,9 +90,9 @@ def run_lhotse(cuts_paths: list[str], recording_paths: list[str], workers: int, 
                                 split_for_dataloading=True, shuffle_shards=True, seed=seed)
         sampler = DynamicBucketingSampler(cuts, max_duration=max_duration_s, num_buckets=num_buckets, shuffle=True,
                                           seed=seed)
-        dl = torch.utils.data.DataLoader(IterableDatasetWrapper(PaddedAudio(), sampler), batch_size=None,
+        dl = torch.utils.data.DataLoader(IterableDatasetWrapper(PaddedAudio(sample_rate_hz), sampler), batch_size=None,
                                          num_workers=workers, prefetch_factor=2 if workers else None)
-        out = common.time_batches(dl, sample_rate_hz=bench_loader.SAMPLE_RATE_HZ, t_start=t0, rss=rss)
+        out = common.time_batches(dl, sample_rate_hz=sample_rate_hz, t_start=t0, rss=rss)
     return {**out, "workers": workers, "num_buckets": num_buckets}
 
 

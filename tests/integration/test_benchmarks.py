@@ -78,3 +78,47 @@ def test_compare_measures_a_dataset_already_packed(tone_corpus, tmp_path):
     res = subprocess.run([sys.executable, "-m", "benchmarks.load.compare", "--dataset", str(tmp_path / "nothing")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode != 0 and "no manifest.json there" in res.stderr
+
+
+def test_peers_count_audio_seconds_at_the_dataset_rate(tmp_path, monkeypatch):
+    """An 8 kHz dataset: webdataset, the decode limit and the loader each report the audio the manifest holds
+    (a fixed 16 kHz gave the peers and the ceiling half of it, every ratio against them off by 2x); a peer that
+    decodes at another rate than the dataset's fails instead of counting wrong seconds."""
+    from conftest import pack_tones
+    from shardtrain.pack.packer import AudioTarget
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import common
+    from benchmarks.load import bench_loader
+
+    ds = Path(pack_tones(tmp_path, [1.0 + 0.25 * i for i in range(12)], 0, max_samples_per_shard=6,
+                         audio=AudioTarget(sample_rate_hz=8000)))
+    total = json.loads((ds / "manifest.json").read_text())["totals"]["seconds"]
+    assert common.dataset_rate(ds) == common.dataset_summary(ds)["sample_rate_hz"] == 8000
+    shards = common.shard_paths(ds)
+    runs = {"webdataset": bench_loader.run_webdataset(shards, 0, 4, sample_rate_hz=8000),
+            "shardtrain": bench_loader.run_shardtrain(str(ds), 0, 30.0)}
+    for decoder in ("soundfile", "libsndfile", "decode_into"):
+        runs[decoder] = bench_loader.run_decode_limit(shards, 1, decoder=decoder)
+    for name, r in runs.items():
+        assert r["samples"] == 12 and r["audio_seconds"] == pytest.approx(total, abs=1e-3), name
+    with pytest.raises(ValueError, match="8000 Hz in a dataset of 16000 Hz"):
+        bench_loader.run_webdataset(shards, 0, 4, sample_rate_hz=16000)
+
+
+def test_ratios_against_shardtrain_need_a_shardtrain_run(monkeypatch):
+    """`--tools webdataset lhotse`: no shardtrain run, so no "shardtrain / this" ratio (it read 1.00, a peer's
+    median over itself)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import common
+    from benchmarks.load import bench_loader
+
+    run = {"audio_s_per_s": 100.0, "samples_per_s": 10.0, "audio_seconds": 50.0, "batches": 5}
+    lim = common.aggregate([{"audio_s_per_s": 400.0, "samples_per_s": 40.0}])
+    limit = {**lim, "libsndfile": lim, "by_decoder": {}, "one_process": lim}
+    _, summary = bench_loader.rows_for_table({("webdataset", "local", 2): [run]}, limit, ref_workers=0)
+    assert summary[0]["shardtrain_over_tool"] is None and summary[0]["vs_shardtrain"] is None
+    assert summary[0]["of_decode_limit"] == 0.25
+    _, summary = bench_loader.rows_for_table({("webdataset", "local", 2): [run], ("shardtrain", "local", 0):
+                                              [{**run, "audio_s_per_s": 300.0}]}, limit, ref_workers=0)
+    assert {r["tool"]: r["shardtrain_over_tool"] for r in summary} == {"webdataset": 3.0, "shardtrain": 1.0}
