@@ -57,7 +57,12 @@ def _wds_decode(sample: dict, sample_rate_hz: int):
     wrong number of audio seconds."""
     import soundfile as sf
 
-    wave, rate = sf.read(io.BytesIO(sample["flac"]), dtype="float32")
+    from shardtrain.format.codecs import CODECS
+
+    audio = next((sample[c] for c in CODECS if c in sample), None)
+    if audio is None:
+        raise ValueError(f"{sample['__key__']}: no audio member ({', '.join(CODECS)}) in {sorted(sample)}")
+    wave, rate = sf.read(io.BytesIO(audio), dtype="float32")
     if rate != sample_rate_hz:
         raise ValueError(f"{sample['__key__']}: {rate} Hz in a dataset of {sample_rate_hz} Hz")
     text = json.loads(sample["json"]).get("text", "")  # shardtrain parses the json too
@@ -96,7 +101,8 @@ def run_webdataset(urls: list[str], workers: int, batch_size: int, seed: int = 0
     with RssSampler() as rss:
         t0 = time.perf_counter()
         ds = (wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False)
-              .shuffle(shuffle_buffer).map(functools.partial(_wds_decode, sample_rate_hz=sample_rate_hz)).batched(batch_size, collation_fn=_pad, partial=True))
+              .shuffle(shuffle_buffer).map(functools.partial(_wds_decode, sample_rate_hz=sample_rate_hz))
+              .batched(batch_size, collation_fn=_pad, partial=True))
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
                                          prefetch_factor=2 if workers else None)
         batches = itertools.chain.from_iterable(dl for _ in range(epochs))

@@ -106,6 +106,20 @@ def test_peers_count_audio_seconds_at_the_dataset_rate(tmp_path, monkeypatch):
         bench_loader.run_webdataset(shards, 0, 4, sample_rate_hz=16000)
 
 
+def test_the_webdataset_peer_reads_a_pack_of_another_codec(tmp_path, monkeypatch):
+    """A WAV pack: the peer decodes its `wav` members (it read only `flac` and died with KeyError: 'flac')."""
+    from conftest import pack_tones
+    from shardtrain.pack.packer import AudioTarget
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.load import bench_loader
+
+    ds = Path(pack_tones(tmp_path, [1.0, 1.5, 2.0], 0, audio=AudioTarget(codec="wav")))
+    total = json.loads((ds / "manifest.json").read_text())["totals"]["seconds"]
+    r = bench_loader.run_webdataset([str(p) for p in sorted(ds.glob("*.tar"))], 0, 2, sample_rate_hz=16000)
+    assert r["samples"] == 3 and r["audio_seconds"] == pytest.approx(total, abs=1e-3)
+
+
 def test_ratios_against_shardtrain_need_a_shardtrain_run(monkeypatch):
     """`--tools webdataset lhotse`: no shardtrain run, so no "shardtrain / this" ratio (it read 1.00, a peer's
     median over itself)."""
