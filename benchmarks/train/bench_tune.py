@@ -70,8 +70,10 @@ def train_run(ds: str, out: Path, steps: int, memory_mb: float, extra: list[str]
     steps_rows = [r for r in rows if "loss" in r][2:]  # the first two steps warm up
     dur = {r["key"]: r["duration_s"] for r in pq.read_table(Path(ds) / "index.parquet", columns=["key", "duration_s"])
            .to_pylist()}
-    batches = {json.loads(x)["step"]: [dur[k] for k in json.loads(x)["keys"]]
-               for x in (out / "keys" / "rank00000.jsonl").read_text().splitlines()}
+    by_step: dict[int, list[list[float]]] = {}  # one key-log line per loader batch: several a step under accumulation
+    for x in (out / "keys" / "rank00000.jsonl").read_text().splitlines():
+        line = json.loads(x)
+        by_step.setdefault(line["step"], []).append([dur[k] for k in line["keys"]])
     cfg = json.loads((out / "config.json").read_text())
     table = cfg["stream"]["bucket"]["budget_table"]
     single = cfg["stream"]["bucket"]["max_batch_seconds"]
@@ -81,17 +83,19 @@ def train_run(ds: str, out: Path, steps: int, memory_mb: float, extra: list[str]
             return single
         return next((b for e, b in table if max(d) <= e), table[-1][1])
 
-    audio = [sum(batches[r["step"]]) for r in steps_rows]
-    secs = [a / r["audio_s_per_s"] for a, r in zip(audio, steps_rows)]
-    return {"audio_s_per_s": sum(audio) / sum(secs), "steps": len(steps_rows),
+    trained = [r for r in steps_rows if r["step"] in by_step]
+    loader_batches = [b for r in trained for b in by_step[r["step"]] if b]  # fill and padding: per loader batch
+    audio = [sum(map(sum, by_step[r["step"]])) for r in trained]
+    secs = [a / r["audio_s_per_s"] for a, r in zip(audio, trained)]
+    return {"audio_s_per_s": sum(audio) / sum(secs), "steps": len(trained),
             "audio_per_step_s": statistics.mean(audio),
-            "fill": statistics.mean(sum(batches[r["step"]]) / budget(batches[r["step"]]) for r in steps_rows),
-            "padding": 1 - statistics.mean(sum(b) / (len(b) * max(b)) for b in (batches[r["step"]] for r in steps_rows)),
+            "fill": statistics.mean(sum(b) / budget(b) for b in loader_batches),
+            "padding": 1 - statistics.mean(sum(b) / (len(b) * max(b)) for b in loader_batches),
             "peak_mb": max(r.get("mem_peak_mb", 0.0) for r in rows if "loss" in r),
             "oom_splits": sum(1 for r in rows if r.get("event") == "oom_split"),
-            "data_wait_pct": statistics.mean(r["data_wait_pct"] for r in steps_rows),
-            "step_peaks": [[max(batches[r["step"]]), r.get("mem_peak_mb", 0.0)] for r in steps_rows
-                           if r["step"] in batches]}
+            "data_wait_pct": statistics.mean(r["data_wait_pct"] for r in trained),
+            "step_peaks": [[max(max(b) for b in by_step[r["step"]] if b), r.get("mem_peak_mb", 0.0)]
+                           for r in trained if any(by_step[r["step"]])]}
 
 
 def main() -> None:

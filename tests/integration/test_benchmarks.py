@@ -136,3 +136,21 @@ def test_ratios_against_shardtrain_need_a_shardtrain_run(monkeypatch):
     _, summary = bench_loader.rows_for_table({("webdataset", "local", 2): [run], ("shardtrain", "local", 0):
                                               [{**run, "audio_s_per_s": 300.0}]}, limit, ref_workers=0)
     assert {r["tool"]: r["shardtrain_over_tool"] for r in summary} == {"webdataset": 3.0, "shardtrain": 1.0}
+
+
+def test_bench_tune_counts_every_micro_batch_of_an_accumulated_step(tmp_path, monkeypatch):
+    """bench_tune's audio per step sums the key log's lines of a step (one per loader batch): with 2-step
+    accumulation a step holds about twice one batch's audio (it kept only the step's last line: x1), while fill and
+    padding stay per loader batch."""
+    from conftest import pack_tones
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.train.bench_tune import train_run
+
+    ds = pack_tones(tmp_path, [1.0 + 0.05 * i for i in range(40)], 0)
+    runs = {k: train_run(ds, tmp_path / f"run{k}", 6, 1000.0, [f"train.grad_accum_steps={k}",
+                                                                "stream.bucket.max_batch_seconds=8"])
+            for k in (1, 2)}
+    assert runs[1]["steps"] == runs[2]["steps"] == 4  # the first two steps are left out as warm-up
+    assert 1.6 < runs[2]["audio_per_step_s"] / runs[1]["audio_per_step_s"] < 2.4
+    assert runs[2]["fill"] == pytest.approx(runs[1]["fill"], abs=0.2)
