@@ -482,6 +482,8 @@ def iter_range(path: str, storage_options: dict | None, fs_factory: FsFactory, s
             return
         if resp.status != 206 and not (resp.status == 200 and start == 0):
             _raise_status(path, rng, parts, conn, resp)
+        if resp.status == 206:
+            _check_content_range(path, rng, resp.getheader("Content-Range"), start, stop)
         clock.phase = "body"
         left = resp.length if stop is None or resp.length is None else min(resp.length, stop - start)
         while left is None or left > 0:  # read1: what the socket has, so a cut loses no byte already received
@@ -510,7 +512,27 @@ def iter_range(path: str, storage_options: dict | None, fs_factory: FsFactory, s
         clock.unwatch()
 
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def _check_content_range(path: str, rng: str, header: str | None, start: int, stop: int | None) -> None:
+    """Refuse a 206 that holds other bytes than those asked for: from `start` to `stop` or the object's end.
+
+    Why: the caller places the bytes at `start` and takes a short answer for the object's end, so a server (or a
+    cache in front of it) that answers a block-aligned or capped range would have its bytes stitched in at the
+    wrong offset, or the object cut short, silently. Not transient (HTTPStatusError 206): the same server answers
+    the same way again. Cost: one regex per request."""
+    m = _CONTENT_RANGE.match(header or "")
+    if m is None:
+        raise HTTPStatusError(f"s3://{path} {rng}: HTTP 206 without a usable Content-Range ({header!r}); the "
+                              "bytes cannot be placed", 206)
+    first, last = int(m.group(1)), int(m.group(2))
+    total = None if m.group(3) == "*" else int(m.group(3))
+    end = stop if total is None else total if stop is None else min(stop, total)
+    if first != start or end is None or last != end - 1:
+        raise HTTPStatusError(f"s3://{path} {rng}: the server answered bytes {first}-{last}/{m.group(3)}, not the "
+                              "range asked for; refusing bytes that would be placed at the wrong offset or taken "
+                              "for the object's end (a proxy or cache rewriting ranges?)", 206)
 
 
 def read_tail(path: str, storage_options: dict | None, fs_factory: FsFactory, n: int,
@@ -537,9 +559,14 @@ def read_tail(path: str, storage_options: dict | None, fs_factory: FsFactory, n:
     if resp.status == 200:
         return data[-n:], len(data)
     m = _CONTENT_RANGE.match(resp.getheader("Content-Range", ""))
-    if m is None:
+    if m is None or m.group(3) == "*":
         raise OSError(f"s3://{path}: 206 without a usable Content-Range")
-    return data, int(m.group(3))
+    total = int(m.group(3))
+    if int(m.group(2)) != total - 1 or int(m.group(1)) != max(0, total - n) or len(data) != total - int(m.group(1)):
+        raise HTTPStatusError(f"s3://{path} last {n} bytes: the server answered bytes {m.group(1)}-{m.group(2)}/"
+                              f"{total} with {len(data)} bytes, not the object's tail; refusing a footer read at "
+                              "the wrong offset", 206)
+    return data, total
 
 
 class RangeFile(io.RawIOBase):

@@ -159,3 +159,50 @@ def test_other_400_is_hopeless_and_keeps_local_signing():
         assert len(_BadRequest.seen) == 1 and s3http.opts_key(so) not in s3http._local_rejected
     finally:
         server.shutdown()
+
+
+BLOB = bytes(range(256)) * 40  # 10,240 bytes
+
+
+class _RewrittenRanges(http.server.BaseHTTPRequestHandler):
+    """A server (or a cache in front of one) that answers a 206 with another range than asked: `shift` rounds the
+    start down to 4 KiB, `cap` returns at most 1,000 bytes; the Content-Range says so honestly."""
+
+    mode = "shift"
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        rng = self.headers["Range"].removeprefix("bytes=")
+        if rng.startswith("-"):  # a suffix range (a Parquet footer): answer a block-aligned piece
+            a = max(0, len(BLOB) - int(rng[1:]))
+            a, b = a - a % 4096, len(BLOB) - 1
+        else:
+            a_s, b_s = rng.split("-")
+            a, b = int(a_s), min(int(b_s) if b_s else len(BLOB) - 1, len(BLOB) - 1)
+            a, b = (a - a % 4096, b) if self.mode == "shift" else (a, min(b, a + 999))
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {a}-{b}/{len(BLOB)}")
+        self.send_header("Content-Length", str(b - a + 1))
+        self.end_headers()
+        self.wfile.write(BLOB[a:b + 1])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("mode,start,end", [("shift", 5000, 6000), ("shift", 100, None), ("cap", 0, None),
+                                            ("cap", 100, None), ("cap", 0, 5000)])
+def test_a_206_of_another_range_is_refused_not_stitched(mode, start, end):
+    """Bytes a server answered for another range than asked were placed at the asked offset (a block-aligned
+    answer: 1,000 wrong bytes, or the whole object from byte 0 for a read from byte 100), and a capped answer was
+    taken for the object's end (a whole-object read returned its first 1,000 bytes), silently. Now refused."""
+    _RewrittenRanges.mode = mode
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RewrittenRanges)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        so = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.server_port}"}}
+        with pytest.raises(s3http.HTTPStatusError, match="answered bytes .* not the range asked for"):
+            storage.read_range("s3://bkt/obj", start, end, so, direct_http=True, backoff_s=5.0)
+        with pytest.raises(s3http.HTTPStatusError, match="not the object's tail"):  # a Parquet footer's read
+            s3http.read_tail("bkt/obj", so, lambda: None, 1000)
+    finally:
+        server.shutdown()
