@@ -22,15 +22,16 @@ if TYPE_CHECKING:  # the names as types; at run time each is imported on first u
     from shardtrain.storage.fs import (RETRY_BUDGET_S, S3_BLOCK_BYTES, CredentialsError, FileSystem,
                                        StorageUnavailable, atomic_write_bytes, commit_local_file, copy_into,
                                        credentials_error, exists, fill_range, fs_and_path, fs_is_local, is_local,
-                                       is_transient, iter_range, join, ls_names, makedirs, map_range, open_ranged,
-                                       presign, read_bytes, read_range, remove, size, sync, version)
+                                       is_transient, iter_range, join, local_path, ls_names, makedirs, map_range,
+                                       open_ranged, presign, read_bytes, read_range, remove, size, sync, version)
     from shardtrain.storage.redact import StorageOptions
     from shardtrain.storage.s3http import ObjectChanged
 
 _FS = ("RETRY_BUDGET_S", "S3_BLOCK_BYTES", "CredentialsError", "FileSystem", "StorageUnavailable",
        "atomic_write_bytes", "commit_local_file", "copy_into", "credentials_error", "exists", "fill_range",
-       "fs_and_path", "fs_is_local", "is_local", "is_transient", "iter_range", "join", "ls_names", "makedirs",
-       "map_range", "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync", "version")
+       "fs_and_path", "fs_is_local", "is_local", "is_transient", "iter_range", "join", "local_path", "ls_names",
+       "makedirs", "map_range", "open_ranged", "presign", "read_bytes", "read_range", "remove", "size", "sync",
+       "version")
 _LAZY = {**{name: "fs" for name in _FS}, "StorageOptions": "redact", "ObjectChanged": "s3http"}
 """Imported on first use: the CLI's log filter (redact.py) and a command's first checks then cost no fsspec/s3fs
 (~0.1 s of CPU)."""

@@ -134,6 +134,17 @@ def is_local(url: str | os.PathLike) -> bool:
     return _protocol(str(url)) in ("file", "local")
 
 
+def local_path(url: str | os.PathLike) -> str:
+    """The absolute path on this machine that a local `url` names, as every fsspec call here reads it: `file://`
+    stripped, a leading `~` expanded, a relative path joined to the working directory. Code that opens local files
+    itself (pathlib, os) goes through this, or it writes to `./file:/...` or `./~/...` while the fsspec calls on the
+    same URL (locks, sync, reads) go to the folder the user named. ValueError for a non-local URL. Cost: a string
+    operation."""
+    if not is_local(url):
+        raise ValueError(f"{url}: not a local path or file:// URL")
+    return fs_and_path(url)[1]
+
+
 def fs_and_path(url: str | os.PathLike, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Filesystem and in-filesystem path for `url`, with s3fs tuned for large sequential reads.
 

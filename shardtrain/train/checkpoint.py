@@ -109,7 +109,7 @@ def list_checkpoints(ckpt_dir: str | os.PathLike, storage_options: dict | None =
     store the paths are URL strings (typed as Path for the local callers; pass them back to this module)."""
     if is_remote(ckpt_dir):
         return _list_remote(str(ckpt_dir), storage_options)
-    root = Path(ckpt_dir)
+    root = Path(storage.local_path(ckpt_dir))
     if not root.is_dir():
         return []
     out = []
@@ -201,7 +201,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, parts: CheckpointParts, *, worl
     the latest. The default is one process's own flag; threads standing in for ranks pass a barrier that returns it."""
     if is_remote(ckpt_dir):
         return _save_remote(str(ckpt_dir), parts, world, agree, keep_last, storage_options)
-    root = Path(ckpt_dir)
+    root = Path(storage.local_path(ckpt_dir))
     final = root / step_dir_name(parts.step)
     tmp = root / f".tmp-{final.name}"
     rank = world.rank

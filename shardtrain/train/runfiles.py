@@ -25,8 +25,9 @@ def run_dirs(out_dir: str) -> tuple[Path, Path | str]:
     """(local run folder, checkpoint folder or URL). With an object-store --out (s3://bucket/run), metrics and
     TensorBoard are written to a local mirror (checkpoint.run_mirror: a private folder of this user), copied up at
     each checkpoint; checkpoints go straight to s3://bucket/run/checkpoints (committed by their meta.json)."""
-    if not ckpt.is_remote(out_dir):
-        return Path(out_dir), Path(out_dir) / "checkpoints"
+    if not ckpt.is_remote(out_dir):  # `file://...` and `~/...` name the folder the lease and sync calls use
+        local = Path(storage.local_path(out_dir))
+        return local, local / "checkpoints"
     return ckpt.run_mirror(out_dir), storage.join(out_dir, "checkpoints")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -240,3 +241,16 @@ def test_local_version_changes_with_a_rewrite_and_not_with_a_read(tmp_path):
     assert storage.version(str(p)) != v
     with pytest.raises(FileNotFoundError):
         storage.version(str(tmp_path / "missing.json"))
+
+
+def test_local_path_is_the_path_fsspec_uses(tmp_path, monkeypatch):
+    """pathlib code and fsspec calls on one URL reach one file: file:// stripped, ~ expanded, relative made absolute."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert storage.local_path("file:///a b/é+1") == "/a b/é+1"
+    assert storage.local_path("~/run") == str(tmp_path / "home" / "run")
+    assert storage.local_path("rel/run") == str(tmp_path / "rel" / "run")
+    storage.atomic_write_bytes("~/x.bin", b"1")
+    assert Path(storage.local_path("~/x.bin")).read_bytes() == b"1"
+    with pytest.raises(ValueError, match="not a local path"):
+        storage.local_path("s3://bkt/run")

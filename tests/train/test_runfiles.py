@@ -39,3 +39,23 @@ def test_second_trainer_is_refused_naming_the_holder_and_an_expired_lease_is_tak
     (out / LEASE_NAME).write_text(json.dumps({**dead, "expires_unix": time.time() - 1}))
     assert run(six_utts, out, 2)["step"] == 2
     assert "lease expired" in caplog.text and not (out / LEASE_NAME).exists()  # released at exit
+
+
+@pytest.mark.parametrize("how", ["file-url", "tilde"])
+def test_out_as_file_url_or_tilde_writes_and_resumes_where_it_names(six_utts, tmp_path, monkeypatch, how):
+    """`--out file:///x/run` and `--out '~/run'` wrote metrics, vocab and the ledger to `./file:/x/run` and `./~/run`
+    (pathlib) while the lease and the checkpoint's fsync went to the folder named (fsspec), so every checkpoint
+    failed with "No such file or directory". Both now name one folder, and a resume finds its checkpoints there."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    where = home / "run é+1" if how == "tilde" else tmp_path / "run é+1"
+    out = "~/run é+1" if how == "tilde" else f"file://{where}"
+    flags = ("train.ckpt_every_steps=2", "train.val_data_url=")
+    first = train_small(six_utts, out, 2, *flags)  # type: ignore[arg-type]
+    assert first["checkpoint"] == str(where / "checkpoints" / "step_000002")
+    assert train_small(six_utts, out, 4, *flags, resume=True)["step"] == 4  # type: ignore[arg-type]
+    assert sorted(p.name for p in (where / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert (where / "metrics.jsonl").is_file() and (where / "vocab.json").is_file()
+    assert [p.name for p in cwd.iterdir()] == []  # nothing under the working directory
