@@ -180,7 +180,7 @@ def is_transient(e: BaseException) -> bool:
         return False
     if isinstance(e, TRANSIENT_ERRORS):
         return True
-    status = _http_status(e)
+    status = http_status(e)
     if status is not None:
         return status >= 500 or status in (408, 429)
     if type(e).__module__.split(".")[0] in _NETWORK_MODULES:
@@ -188,7 +188,7 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, OSError)
 
 
-def _http_status(e: BaseException) -> int | None:
+def http_status(e: BaseException) -> int | None:
     """The HTTP status of a botocore ClientError (also when s3fs chained it), else None."""
     for err in (e, e.__cause__):
         resp = getattr(err, "response", None)

@@ -254,3 +254,19 @@ def test_local_path_is_the_path_fsspec_uses(tmp_path, monkeypatch):
     assert Path(storage.local_path("~/x.bin")).read_bytes() == b"1"
     with pytest.raises(ValueError, match="not a local path"):
         storage.local_path("s3://bkt/run")
+
+
+@pytest.mark.parametrize("direct_http", [True, False], ids=["direct-http", "s3fs"])
+def test_s3_object_shorter_than_the_range_ends_the_same_on_both_paths(s3, s3_bucket, direct_http):
+    """Through s3fs, the request for the bytes past a short object's end (HTTP 416) raised OSError(EINVAL) where
+    the direct path and local files end the read (allow_short) or raise EOFError: the loader stopped the stream
+    on a truncated S3 shard ("unexpected storage error") instead of skipping its cut rows as truncated_shard."""
+    url, so = f"{s3_bucket}/short.bin", s3.storage_options
+    storage.atomic_write_bytes(url, b"12345", so)
+    kw = dict(direct_http=direct_http, retries=0)
+    assert storage.read_range(url, 3, 10, so, allow_short=True, **kw) == b"45"
+    assert storage.read_range(url, 7, 10, so, allow_short=True, **kw) == b""
+    with pytest.raises(EOFError, match="ended at byte 5, expected 10"):
+        storage.read_range(url, 3, 10, so, **kw)
+    out = bytearray(8)
+    assert list(storage.fill_range(url, 2, memoryview(out), so, **kw)) == [3] and out[:3] == b"345"
