@@ -140,7 +140,7 @@ def missing_local_path(url: str) -> bool:
 
     if "://" in url and not url.startswith("file://"):
         return False
-    return not os.path.lexists(url.removeprefix("file://"))
+    return not os.path.lexists(os.path.expanduser(url.removeprefix("file://")))  # `~` as fsspec reads it
 
 
 def report_error(command: str, e: BaseException, where: str = "") -> int:

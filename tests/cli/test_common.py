@@ -89,3 +89,14 @@ def test_one_blas_thread_is_set_for_pack_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
     one_blas_thread()
     assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
+
+
+def test_a_quoted_tilde_path_that_exists_is_not_reported_missing(tmp_path, monkeypatch):
+    """`--data '~/ds'` (quoted: the shell leaves the ~) names the folder fsspec reads; the quick missing-path check
+    called it missing."""
+    from shardtrain.cli.common import missing_local_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ds").mkdir()
+    assert not missing_local_path("~/ds") and not missing_local_path("file://~/ds")
+    assert missing_local_path("~/nothing") and not missing_local_path("s3://bucket/ds")
