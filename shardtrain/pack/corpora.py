@@ -83,7 +83,13 @@ def _tsv_header(fs: storage.FileSystem, path: str) -> list[str]:
 
 # ---- Kaldi ----------------------------------------------------------------------------------------------------
 def _kaldi_table(fs: storage.FileSystem, path: str, rejects: list[Reject]) -> dict[str, str]:
-    """`<id> <value>` lines -> {id: value} (value may be empty or hold spaces); undecodable lines -> rejects."""
+    """`<id> <value>` lines -> {id: value} (value may be empty or hold spaces); undecodable lines -> rejects.
+
+    An id on a second line is a `duplicate_id` reject naming both lines, and the first line is kept (as
+    layout.lay_out keeps the first of two items with one id). Why: a dict update kept the last one silently, so a
+    repeated `segments` line dropped a segment without a word and a repeated `text` line paired the utterance
+    with the other transcript (Kaldi's validate_data_dir.sh refuses such tables; they come from concatenating
+    two data dirs by hand). A leading UTF-8 BOM is dropped (Windows editors write one)."""
     out: dict[str, str] = {}
     if not fs.exists(path):
         return out
@@ -91,15 +97,20 @@ def _kaldi_table(fs: storage.FileSystem, path: str, rejects: list[Reject]) -> di
         data = read_bounded(fs, path, MAX_TABLE_BYTES)
     except InputFileError as e:  # the whole corpus depends on this table: refuse the input, in one line
         raise ValueError(f"Kaldi table {e}") from None
+    first: dict[str, int] = {}
     for n, raw in enumerate(data.split(b"\n"), 1):  # never splitlines(): a lone \r is text
         try:
-            line = raw.decode("utf-8").strip()
+            line = raw.decode("utf-8-sig" if n == 1 else "utf-8").strip()
         except UnicodeDecodeError as e:
             rejects.append(Reject(f"{path}:{n}", path, f"bad_transcript_encoding: line {n} is not UTF-8 ({e.reason})"))
             continue
         if line:
             key, _, value = line.partition(" ")
-            out[key] = value.strip()
+            if key in out:
+                rejects.append(Reject(key, path, f"duplicate_id: {posixpath.basename(path)} line {n} repeats {key!r} "
+                                                 f"of line {first[key]}; the first one is kept"))
+                continue
+            out[key], first[key] = value.strip(), n
     return out
 
 

@@ -111,6 +111,29 @@ def test_kaldi_without_segments_and_refused_entries(tmp_path):
     assert "features" in next(o.reason for o in out if isinstance(o, Reject) and o.id == "u3")
 
 
+def test_kaldi_repeated_ids_keep_the_first_line_and_are_rejected(tmp_path):
+    """A data dir concatenated by hand repeats ids: the first `segments`/`text` line of an id is packed, every
+    repeat is a named duplicate_id reject (before: the last line won silently, so u1's first segment vanished and
+    its transcript was packed over the audio of the repeat's [1.0, 1.5] s)."""
+    x = noise(tmp_path / "r1.wav", 2.0)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "wav.scp").write_text(f"r1 {tmp_path / 'r1.wav'}\n")
+    (data / "segments").write_text("u1 r1 0.0 0.5\nu2 r1 0.5 1.0\nu1 r1 1.0 1.5\n")
+    (data / "text").write_bytes("\ufeffu1 first\nu2 second\nu2 second again\n".encode())  # a BOM, too
+    out = tmp_path / "ds"
+    res = do_pack(data, out, min_duration_s=0.0)
+    got = packed(str(out))
+    assert res.samples == 2 and res.rejects_by_reason == {"duplicate_id": 2}
+    for key, text, (a, b) in (("u1", "first", (0, 8000)), ("u2", "second", (8000, 16000))):
+        row, data_ = got[key]
+        assert row["text"] == text
+        assert np.array_equal(sf.read(io.BytesIO(data_), dtype="int16")[0], x[a:b])
+    rej = [json.loads(r) for r in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["path"].rsplit("/", 1)[1]) for r in rej) == [("u1", "segments"), ("u2", "text")]
+    assert all("line 3" in r["detail"] and "first one is kept" in r["detail"] for r in rej)
+
+
 # ---- Common Voice ---------------------------------------------------------------------------------------------
 CV_HEADER = "client_id\tpath\tsentence_id\tsentence\tsentence_domain\tup_votes\tdown_votes\tage\tgender\taccents\t" \
             "variant\tlocale\tsegment"
