@@ -75,13 +75,35 @@ def opt_str(v: Any) -> str | None:
 
 def table_rows(reader: Any, path: str, header: list[str]) -> Iterator[tuple[str, dict] | Reject]:
     """(where, {column: value}) per non-blank row of a `csv.reader`; a row with the wrong field count is a Reject
-    (the reader's line_num names it)."""
-    for row in reader:
-        where = f"{path}:{reader.line_num}"
+    (the reader's line_num names it).
+
+    A record the reader cannot parse (a `strict` reader: a quote that opens a field and never closes, text after a
+    closing quote) is a `bad_row` Reject for every line it took. Why: a lenient reader lets one stray opening quote
+    swallow every following line, up to the next quote or the end of the file, into that row's transcript, and the
+    rows it swallowed were never counted (a CSV of 4 rows packed 1, under a 3-row transcript)."""
+    import csv  # noqa: PLC0415 (this module is imported by every reader; only tables need csv)
+
+    last = reader.line_num
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            if reader.line_num == last:  # nothing consumed: the reader cannot go on
+                raise ValueError(f"{path}: line {last + 1}: {e}") from None
+            for k in range(last + 1, reader.line_num + 1):
+                where = f"{path}:{k}"
+                yield Reject(where, where, f"bad_row: line {k} is in a record from line {last + 1} that does not "
+                                           f"parse ({e}): a field opened with a quote must close with one, quotes "
+                                           "inside it doubled")
+            last = reader.line_num
+            continue
+        last = reader.line_num
+        where = f"{path}:{last}"
         if not any(c.strip() for c in row):
             continue
         if len(row) != len(header):
-            yield Reject(where, where, f"bad_row: line {reader.line_num} has {len(row)} fields, "
-                                       f"header has {len(header)}")
+            yield Reject(where, where, f"bad_row: line {last} has {len(row)} fields, header has {len(header)}")
             continue
         yield where, dict(zip(header, row))

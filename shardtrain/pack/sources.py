@@ -341,7 +341,7 @@ def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Colu
     base = posixpath.dirname(path)
     quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with open_text(fs, path) as f:
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting, strict=True)  # table_rows says why
         header = next(reader, None)
         if header is None:
             return

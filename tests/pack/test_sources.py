@@ -88,6 +88,29 @@ def test_csv_source_quoting_and_aliases(tmp_path):
                         extra=(("Age", "33"),))
 
 
+def test_csv_stray_quote_rejects_every_line_it_swallows(tmp_path):
+    """A CSV row that opens a quote and never closes it properly: every line the record took is a bad_row reject
+    naming its line, the rows around it are packed with their own text (before: b's transcript swallowed c and d,
+    which vanished uncounted, and the pack reported 3 samples and no reject)."""
+    from shardtrain.pack.packer import PackConfig, pack
+
+    for n in "abcde":
+        audio(tmp_path / f"{n}.flac", 1.0, seed=ord(n))
+    rows = ['path,text', 'a.flac,"first, quoted"', 'b.flac,"he said hi', 'c.flac,third', 'd.flac,"fourth" row',
+            'e.flac,"multi', 'line fifth"', '']
+    (tmp_path / "m.csv").write_text("\r\n".join(rows), encoding="utf-8")
+    out = tmp_path / "out"
+    res = pack(PackConfig(input=str(tmp_path / "m.csv"), output=str(out), progress=False, workers=1))
+    assert res.samples == 2 and res.rejects_by_reason == {"bad_row": 3}
+    import pyarrow.parquet as pq
+
+    texts = sorted(zip(*pq.read_table(out / "index.parquet", columns=["source", "text"]).to_pydict().values()))
+    assert texts == [(str(tmp_path / "a.flac"), "first, quoted"), (str(tmp_path / "e.flac"), "multi line fifth")]
+    rej = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rej] == [f"{tmp_path / 'm.csv'}:{k}" for k in (3, 4, 5)]
+    assert all("from line 3" in r["detail"] for r in rej)
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_jsonl_source_nemo_keys_and_bad_line(tmp_path, gz):
     audio(tmp_path / "wav" / "a.wav")
