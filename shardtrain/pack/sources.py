@@ -81,6 +81,7 @@ class Columns:
 def _first_json_record(fs: storage.FileSystem, path: str) -> dict | None:
     with open_text(fs, path) as f:
         for line in f:
+            line = line.lstrip("\ufeff")  # _json_lines says why
             if line.strip():
                 try:
                     rec = json.loads(line)
@@ -353,9 +354,13 @@ def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Colu
 
 
 def _json_lines(fs: storage.FileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
-    """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject."""
+    """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject. A UTF-8 BOM
+    before the first line is dropped (Windows editors write one; json.loads refused it, so the first row was a
+    bad_json reject and a Lhotse CutSet with one was detected as a plain jsonl manifest)."""
     with open_text(fs, path) as f:
         for lineno, line in enumerate(f, 1):
+            if lineno == 1:
+                line = line.lstrip("\ufeff")
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -402,7 +407,7 @@ def _iter_librispeech(fs: storage.FileSystem, root: str, transcripts: list[str] 
         audio = {posixpath.splitext(posixpath.basename(p))[0]: p for p in sorted(fs.ls(chapter_dir, detail=False))
                  if p.lower().endswith(AUDIO_EXTENSIONS)}
         try:
-            lines = split_lines(read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8"))
+            lines = split_lines(read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8-sig"))
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), audio_ref(fs, trans), f"bad_transcript_encoding: {e}")
             continue

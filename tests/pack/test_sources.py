@@ -131,6 +131,38 @@ def test_jsonl_source_nemo_keys_and_bad_line(tmp_path, gz):
     assert "line 3" in rejects[0].reason and rejects[0].path.endswith(":3")
 
 
+def test_a_utf8_bom_costs_no_row(tmp_path):
+    """A BOM (what Windows editors write) before the first line of a JSONL manifest, a Lhotse CutSet and a
+    LibriSpeech chapter transcript: every row is read and the CutSet is still detected as one (before: the first
+    row was a bad_json / missing_audio reject, and the CutSet a jsonl manifest of missing_path rejects)."""
+    bom = "\ufeff".encode()
+    audio(tmp_path / "a.flac")
+    audio(tmp_path / "b.flac")
+    rows = [{"audio_filepath": "a.flac", "text": "one"}, {"audio_filepath": "b.flac", "text": "two"}]
+    (tmp_path / "m.jsonl").write_bytes(bom + "".join(json.dumps(r) + "\r\n" for r in rows).encode())
+    items, rejects = split(list(iter_items(str(tmp_path / "m.jsonl"))))
+    assert [(i.id, i.text) for i in items] == [("a", "one"), ("b", "two")] and not rejects
+
+    from lhotse import CutSet, Recording, SupervisionSegment
+
+    rec = Recording.from_file(tmp_path / "a.flac", recording_id="a")
+    cut = rec.to_cut().with_id("c")
+    cut.supervisions = [SupervisionSegment(id="s", recording_id="a", start=0.0, duration=0.1, text="cut")]
+    CutSet.from_cuts([cut]).to_file(tmp_path / "cuts.jsonl")
+    (tmp_path / "cuts.jsonl").write_bytes(bom + (tmp_path / "cuts.jsonl").read_bytes())
+    assert detect_format(str(tmp_path / "cuts.jsonl")) == "lhotse"
+    items, rejects = split(list(iter_items(str(tmp_path / "cuts.jsonl"))))
+    assert [(i.id, i.text, i.duration_s) for i in items] == [("s", "cut", 0.1)] and not rejects
+
+    chapter = tmp_path / "libri" / "19" / "198"
+    for u in range(2):
+        audio(chapter / f"19-198-000{u}.flac", seed=u)
+    (chapter / "19-198.trans.txt").write_bytes(bom + b"19-198-0000 FIRST\n19-198-0001 SECOND\n")
+    items, rejects = split(list(iter_items(str(tmp_path / "libri"))))
+    assert [(i.id, i.text) for i in items] == [("19-198-0000", "FIRST"), ("19-198-0001", "SECOND")]
+    assert not rejects
+
+
 def test_librispeech_source(tmp_path):
     root = tmp_path / "train-clean-5"
     chap = root / "19" / "198"
