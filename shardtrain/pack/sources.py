@@ -290,6 +290,22 @@ def _pick(rec: dict[str, Any], keys: Iterable[str]) -> Any:
     return None
 
 
+def _bad_type(low: dict[str, Any], path_keys: Iterable[str], text_keys: Iterable[str]) -> str | None:
+    """Why a JSON record's known field cannot be read as written, else None: a path, text, id, speaker or language
+    must be a string or an integer, a duration or offset a number (or a numeric string); only the value `_pick`
+    takes is checked. Why: `str()` of anything else was packed: a word list as the transcript "['hello', 'world']",
+    true as "True", a duration of true as 1.0 s. CSV/TSV fields are strings and always pass."""
+    for keys, ok, what in ((path_keys, (str, int), "a string"), (text_keys, (str, int), "a string"),
+                           (_ID_KEYS, (str, int), "a string"), (_SPEAKER_KEYS, (str, int), "a string"),
+                           (_LANGUAGE_KEYS, (str, int), "a string"), (_DURATION_KEYS, (str, int, float), "a number"),
+                           (_OFFSET_KEYS, (str, int, float), "a number")):
+        k = next((k for k in keys if low.get(k) not in (None, "")), None)  # the one _pick takes
+        v = low.get(k) if k is not None else None
+        if v is not None and (isinstance(v, bool) or not isinstance(v, ok)):
+            return f"{k} is {type(v).__name__} {json.dumps(v)[:80]}, not {what}"
+    return None
+
+
 def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: storage.FileSystem,
                     has_offset_field: bool, columns: Columns = Columns()) -> Item | Reject:
     """One manifest record (TSV/CSV row or JSON object) -> Item. Known fields match case-insensitively; other
@@ -300,6 +316,9 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: storage.
     """
     low = {str(k).lower(): v for k, v in rec.items()}
     path_keys, text_keys = columns.keys()
+    bad = _bad_type(low, path_keys, text_keys)
+    if bad is not None:
+        return Reject(where, where, f"bad_field: {bad}")
     audio = _pick(low, path_keys)
     if audio is None:
         return Reject(where, where, f"missing_path: no {'/'.join(path_keys)} field (name it with --audio-column)")

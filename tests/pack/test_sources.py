@@ -131,6 +131,24 @@ def test_jsonl_source_nemo_keys_and_bad_line(tmp_path, gz):
     assert "line 3" in rejects[0].reason and rejects[0].path.endswith(":3")
 
 
+def test_jsonl_fields_that_are_not_strings_are_rejected_not_stringified(tmp_path):
+    """A JSON transcript, speaker or duration of the wrong type is a bad_field reject naming it (before: str() of it
+    was packed: the transcript "['hello', 'world']", "True", a duration of true as 1.0 s); integers are text."""
+    audio(tmp_path / "a.flac")
+    recs = [{"audio_filepath": "a.flac", "text": ["hello", "world"]}, {"audio_filepath": "a.flac", "text": True},
+            {"audio_filepath": "a.flac", "text": {"orth": "x"}}, {"path": "a.flac", "text": "ok", "speaker": [3]},
+            {"path": "a.flac", "text": "ok", "duration": True, "id": "d"}, {"path": "a.flac", "text": 42, "id": "n"},
+            {"path": "a.flac", "text": "fine", "sentence": ["another", "alias"], "id": "f"}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    items, rejects = split(list(iter_items(str(path))))
+    assert [(i.id, i.text) for i in items] == [("n", "42"), ("f", "fine")]
+    assert [r.reason for r in rejects] == [
+        'bad_field: text is list ["hello", "world"], not a string', "bad_field: text is bool true, not a string",
+        'bad_field: text is dict {"orth": "x"}, not a string', "bad_field: speaker is list [3], not a string",
+        "bad_field: duration is bool true, not a number"]
+
+
 def test_a_utf8_bom_costs_no_row(tmp_path):
     """A BOM (what Windows editors write) before the first line of a JSONL manifest, a Lhotse CutSet and a
     LibriSpeech chapter transcript: every row is read and the CutSet is still detected as one (before: the first
