@@ -34,7 +34,7 @@ from typing import Any
 from shardtrain import storage
 from shardtrain.format.audioref import byte_range_ref
 from shardtrain.pack.inputfs import audio_ref, open_text
-from shardtrain.pack.item import Item, Reject, opt_str, table_rows
+from shardtrain.pack.item import Item, Reject, opt_str, table_lines, table_rows
 from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def iter_commonvoice(fs: storage.FileSystem, path: str) -> Iterator[Item | Rejec
         path = tsv
     clips = posixpath.join(posixpath.dirname(path), "clips")
     with open_text(fs, path) as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        reader = csv.reader(table_lines(f), delimiter="\t", quoting=csv.QUOTE_NONE)
         header = [h.strip().lstrip("\ufeff") for h in next(reader, [])]
         missing = {"path", "sentence"} - set(header)
         if missing:

@@ -6,7 +6,7 @@ this module without an import circle).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,36 @@ def split_lines(text: str) -> list[str]:
     `str.splitlines()`, which also splits at U+2028, U+0085, form feeds and lone "\\r" that are part of a
     transcript: the tail would become a bogus line and the transcript would be packed cut short."""
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
+def table_lines(f: Iterable[str]) -> Iterator[str]:
+    """The lines of a csv/tsv table opened with newline="" (inputfs.open_text), ended at "\n" only, each lone
+    "\r" inside a line turned into a space, for `csv.reader`. Why: the csv module ends a record at a lone "\r",
+    so a transcript holding one was packed cut short ("LONE\rRETURN" as "LONE") and its tail became a bad_row
+    (split_lines says the same of line manifests). A space is what the packer folds any whitespace run to anyway
+    (scan.collapse_whitespace), so the stored text is the one a "\n"-only reading gives. A table whose first line
+    ends in a lone "\r" (classic Mac line ends) keeps "\r" as its line break."""
+    it = iter(f)
+    first = next(it, "")
+    if first.endswith("\r"):
+        yield first
+        yield from it
+        return
+    buf = first
+    for piece in it:  # newline="" splits at "\r" too, keeping it: join the pieces up to the next "\n"
+        if buf.endswith("\n"):
+            yield _lone_cr_to_space(buf)
+            buf = ""
+        buf += piece
+    if buf:
+        yield _lone_cr_to_space(buf)
+
+
+def _lone_cr_to_space(line: str) -> str:
+    if "\r" not in line:
+        return line
+    body, end = (line[:-2], "\r\n") if line.endswith("\r\n") else (line, "")
+    return body.replace("\r", " ") + end
 
 
 def opt_str(v: Any) -> str | None:

@@ -27,7 +27,7 @@ from shardtrain import storage
 from shardtrain.pack import corpora, metadata, vtt
 from shardtrain.pack.inputfs import audio_ref, input_fs, open_text, resolve_audio
 from shardtrain.pack.item import (AUDIO_EXTENSIONS, INPUT_KINDS, Item, Reject, missing_input_message, opt_str,
-                                  split_lines, table_rows)
+                                  split_lines, table_lines, table_rows)
 from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, InputFileError, read_bounded
 
 log = logging.getLogger(__name__)
@@ -361,7 +361,7 @@ def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Colu
     base = posixpath.dirname(path)
     quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with open_text(fs, path) as f:
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting, strict=True)  # table_rows says why
+        reader = csv.reader(table_lines(f), delimiter=delimiter, quoting=quoting, strict=True)  # table_rows says why
         header = next(reader, None)
         if header is None:
             return
