@@ -402,9 +402,21 @@ def iter_hf(fs: storage.FileSystem, path: str, text_column: str | None = None,
             if text_col is None:
                 raise ValueError(f"{data_file}: no text column {text_column or HF_TEXT_COLUMNS} among {names}; "
                                  "name it with --text-column")
+            _check_text_type(schema.field(text_col), data_file)
             for rb in batches:
                 yield from _hf_rows(rb, audio_col, text_col, base, local, data_file, n)
                 n += rb.num_rows
+
+
+def _check_text_type(field: Any, data_file: str) -> None:
+    """A text column must hold strings (or integers): str() of a list column packed every row's Python repr
+    ("['hello', 'world']") as its transcript. ValueError naming the column, its type and the fix."""
+    import pyarrow.types as pt  # noqa: PLC0415
+
+    t = field.type
+    if not (pt.is_string(t) or pt.is_large_string(t) or pt.is_string_view(t) or pt.is_integer(t)):
+        raise ValueError(f"{data_file}: text column {field.name!r} holds {t}, not strings; join it into a string "
+                         "column first (datasets' .map) or name another with --text-column")
 
 
 def _column_or_none(rb: Any, aliases: tuple[str, ...]) -> list:

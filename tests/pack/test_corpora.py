@@ -208,6 +208,17 @@ def test_hugging_face_save_to_disk(tmp_path, hf_dataset):
     assert all(".arrow#bytes=" in v for v in sources.values())  # save_to_disk embeds path-only audio too
 
 
+def test_hugging_face_text_column_of_lists_is_refused(tmp_path, hf_dataset):
+    """--text-column naming a list column (word lists) is refused naming its type (before: each row's Python repr,
+    "['eins', 'x']", was packed as its transcript)."""
+    ds, _ = hf_dataset
+    ds = ds.map(lambda r: {"tokens": [r["words"], "x"]})
+    ds.save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match=r"text column 'tokens' holds list<item: string>, not strings"):
+        list(iter_items(str(tmp_path / "hf"), text_column="tokens"))
+    assert [i.text for i in iter_items(str(tmp_path / "hf"), text_column="words")] == ["eins", "zwei", "drei", "vier"]
+
+
 def test_hugging_face_parquet(tmp_path, hf_dataset, monkeypatch):
     ds, files = hf_dataset
     ds = ds.remove_columns("id").rename_column("words", "sentence")
