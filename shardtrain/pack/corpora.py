@@ -34,7 +34,7 @@ from typing import Any
 from shardtrain import storage
 from shardtrain.format.audioref import byte_range_ref
 from shardtrain.pack.inputfs import audio_ref, open_text
-from shardtrain.pack.item import Item, Reject, opt_str, table_rows
+from shardtrain.pack.item import Item, Reject, opt_str, table_lines, table_rows
 from shardtrain.pack.safeio import MAX_TABLE_BYTES, InputFileError, read_bounded
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,13 @@ def _tsv_header(fs: storage.FileSystem, path: str) -> list[str]:
 
 # ---- Kaldi ----------------------------------------------------------------------------------------------------
 def _kaldi_table(fs: storage.FileSystem, path: str, rejects: list[Reject]) -> dict[str, str]:
-    """`<id> <value>` lines -> {id: value} (value may be empty or hold spaces); undecodable lines -> rejects."""
+    """`<id> <value>` lines -> {id: value} (value may be empty or hold spaces); undecodable lines -> rejects.
+
+    An id on a second line is a `duplicate_id` reject naming both lines, and the first line is kept (as
+    layout.lay_out keeps the first of two items with one id). Why: a dict update kept the last one silently, so a
+    repeated `segments` line dropped a segment without a word and a repeated `text` line paired the utterance
+    with the other transcript (Kaldi's validate_data_dir.sh refuses such tables; they come from concatenating
+    two data dirs by hand). A leading UTF-8 BOM is dropped (Windows editors write one)."""
     out: dict[str, str] = {}
     if not fs.exists(path):
         return out
@@ -91,15 +97,20 @@ def _kaldi_table(fs: storage.FileSystem, path: str, rejects: list[Reject]) -> di
         data = read_bounded(fs, path, MAX_TABLE_BYTES)
     except InputFileError as e:  # the whole corpus depends on this table: refuse the input, in one line
         raise ValueError(f"Kaldi table {e}") from None
+    first: dict[str, int] = {}
     for n, raw in enumerate(data.split(b"\n"), 1):  # never splitlines(): a lone \r is text
         try:
-            line = raw.decode("utf-8").strip()
+            line = raw.decode("utf-8-sig" if n == 1 else "utf-8").strip()
         except UnicodeDecodeError as e:
             rejects.append(Reject(f"{path}:{n}", path, f"bad_transcript_encoding: line {n} is not UTF-8 ({e.reason})"))
             continue
         if line:
             key, _, value = line.partition(" ")
-            out[key] = value.strip()
+            if key in out:
+                rejects.append(Reject(key, path, f"duplicate_id: {posixpath.basename(path)} line {n} repeats {key!r} "
+                                                 f"of line {first[key]}; the first one is kept"))
+                continue
+            out[key], first[key] = value.strip(), n
     return out
 
 
@@ -250,7 +261,7 @@ def iter_commonvoice(fs: storage.FileSystem, path: str) -> Iterator[Item | Rejec
         path = tsv
     clips = posixpath.join(posixpath.dirname(path), "clips")
     with open_text(fs, path) as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        reader = csv.reader(table_lines(f), delimiter="\t", quoting=csv.QUOTE_NONE)
         header = [h.strip().lstrip("\ufeff") for h in next(reader, [])]
         missing = {"path", "sentence"} - set(header)
         if missing:
@@ -391,9 +402,21 @@ def iter_hf(fs: storage.FileSystem, path: str, text_column: str | None = None,
             if text_col is None:
                 raise ValueError(f"{data_file}: no text column {text_column or HF_TEXT_COLUMNS} among {names}; "
                                  "name it with --text-column")
+            _check_text_type(schema.field(text_col), data_file)
             for rb in batches:
                 yield from _hf_rows(rb, audio_col, text_col, base, local, data_file, n)
                 n += rb.num_rows
+
+
+def _check_text_type(field: Any, data_file: str) -> None:
+    """A text column must hold strings (or integers): str() of a list column packed every row's Python repr
+    ("['hello', 'world']") as its transcript. ValueError naming the column, its type and the fix."""
+    import pyarrow.types as pt  # noqa: PLC0415
+
+    t = field.type
+    if not (pt.is_string(t) or pt.is_large_string(t) or pt.is_string_view(t) or pt.is_integer(t)):
+        raise ValueError(f"{data_file}: text column {field.name!r} holds {t}, not strings; join it into a string "
+                         "column first (datasets' .map) or name another with --text-column")
 
 
 def _column_or_none(rb: Any, aliases: tuple[str, ...]) -> list:

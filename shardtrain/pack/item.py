@@ -6,7 +6,7 @@ this module without an import circle).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,36 @@ def split_lines(text: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
+def table_lines(f: Iterable[str]) -> Iterator[str]:
+    """The lines of a csv/tsv table opened with newline="" (inputfs.open_text), ended at "\n" only, each lone
+    "\r" inside a line turned into a space, for `csv.reader`. Why: the csv module ends a record at a lone "\r",
+    so a transcript holding one was packed cut short ("LONE\rRETURN" as "LONE") and its tail became a bad_row
+    (split_lines says the same of line manifests). A space is what the packer folds any whitespace run to anyway
+    (scan.collapse_whitespace), so the stored text is the one a "\n"-only reading gives. A table whose first line
+    ends in a lone "\r" (classic Mac line ends) keeps "\r" as its line break."""
+    it = iter(f)
+    first = next(it, "")
+    if first.endswith("\r"):
+        yield first
+        yield from it
+        return
+    buf = first
+    for piece in it:  # newline="" splits at "\r" too, keeping it: join the pieces up to the next "\n"
+        if buf.endswith("\n"):
+            yield _lone_cr_to_space(buf)
+            buf = ""
+        buf += piece
+    if buf:
+        yield _lone_cr_to_space(buf)
+
+
+def _lone_cr_to_space(line: str) -> str:
+    if "\r" not in line:
+        return line
+    body, end = (line[:-2], "\r\n") if line.endswith("\r\n") else (line, "")
+    return body.replace("\r", " ") + end
+
+
 def opt_str(v: Any) -> str | None:
     """An optional text field: None for a missing or empty value, else its str()."""
     return None if v is None or v == "" else str(v)
@@ -75,13 +105,35 @@ def opt_str(v: Any) -> str | None:
 
 def table_rows(reader: Any, path: str, header: list[str]) -> Iterator[tuple[str, dict] | Reject]:
     """(where, {column: value}) per non-blank row of a `csv.reader`; a row with the wrong field count is a Reject
-    (the reader's line_num names it)."""
-    for row in reader:
-        where = f"{path}:{reader.line_num}"
+    (the reader's line_num names it).
+
+    A record the reader cannot parse (a `strict` reader: a quote that opens a field and never closes, text after a
+    closing quote) is a `bad_row` Reject for every line it took. Why: a lenient reader lets one stray opening quote
+    swallow every following line, up to the next quote or the end of the file, into that row's transcript, and the
+    rows it swallowed were never counted (a CSV of 4 rows packed 1, under a 3-row transcript)."""
+    import csv  # noqa: PLC0415 (this module is imported by every reader; only tables need csv)
+
+    last = reader.line_num
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            if reader.line_num == last:  # nothing consumed: the reader cannot go on
+                raise ValueError(f"{path}: line {last + 1}: {e}") from None
+            for k in range(last + 1, reader.line_num + 1):
+                where = f"{path}:{k}"
+                yield Reject(where, where, f"bad_row: line {k} is in a record from line {last + 1} that does not "
+                                           f"parse ({e}): a field opened with a quote must close with one, quotes "
+                                           "inside it doubled")
+            last = reader.line_num
+            continue
+        last = reader.line_num
+        where = f"{path}:{last}"
         if not any(c.strip() for c in row):
             continue
         if len(row) != len(header):
-            yield Reject(where, where, f"bad_row: line {reader.line_num} has {len(row)} fields, "
-                                       f"header has {len(header)}")
+            yield Reject(where, where, f"bad_row: line {last} has {len(row)} fields, header has {len(header)}")
             continue
         yield where, dict(zip(header, row))

@@ -64,10 +64,25 @@ class PartScan:
     """Per accepted candidate, 8 bytes of hash over where its audio is (source_digest); zeros otherwise."""
 
 
-def source_digest(item) -> bytes:
+def source_digest(item, info=None) -> bytes:
     """Where an item's audio comes from (path or URL, segment start and length): equal for two entries that would
-    store the same samples, so layout.lay_out can refuse the second (`duplicate_audio`)."""
-    return hashlib.blake2b(f"{item.audio}\0{item.start_s!r}\0{item.duration_s!r}".encode(), digest_size=8).digest()
+    store the same samples, so layout.lay_out can refuse the second (`duplicate_audio`).
+
+    With the file's AudioInfo the segment is compared in samples, as transcode.segment_frames cuts it: seconds
+    differing only by float noise name the same samples (a Lhotse supervision seen through two windows of
+    `cut_into_windows` comes back at 8.1 and 8.100000000000001 s, which compared as seconds packed it twice), and
+    so do a whole file listed with and without its duration. Without `info` (or for a segment the file cannot
+    hold, which encoding rejects anyway) the seconds are compared as given."""
+    span = f"{item.start_s!r}\0{item.duration_s!r}"
+    if info is not None:
+        from shardtrain.format.audio import AudioError
+        from shardtrain.pack.transcode import segment_frames
+
+        try:
+            span = "frames\0%d\0%d" % segment_frames(item, info)
+        except AudioError:
+            pass
+    return hashlib.blake2b(f"{item.audio}\0{span}".encode(), digest_size=8).digest()
 
 
 def _kept(cfg: PackConfig, info) -> bool:
@@ -226,7 +241,7 @@ def scan_part(cfg: PackConfig, part: SourcePart) -> tuple[PartScan, list[Any]]:
         ok[j], dur[j], est[j] = True, duration_s, e
         digest[j] = sample_digest(SampleSpec(key="", item=item, info=info, duration_s=duration_s, est_bytes=e),
                                   stamp)
-        source[j] = source_digest(item)
+        source[j] = source_digest(item, info)
         records.append((item, info, duration_s, e))
     scan = PartScan(index=part.index, items=n, early=early, pos=np.asarray(positions, np.int32),
                     ids=string_arrow([c.id for c in cands]), keys=string_arrow([sanitize_key(c.id) for c in cands]),

@@ -27,7 +27,7 @@ from shardtrain import storage
 from shardtrain.pack import corpora, metadata, vtt
 from shardtrain.pack.inputfs import audio_ref, input_fs, open_text, resolve_audio
 from shardtrain.pack.item import (AUDIO_EXTENSIONS, INPUT_KINDS, Item, Reject, missing_input_message, opt_str,
-                                  split_lines, table_rows)
+                                  split_lines, table_lines, table_rows)
 from shardtrain.pack.safeio import MAX_CHAPTER_BYTES, MAX_TRANSCRIPT_BYTES, InputFileError, read_bounded
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Columns:
 def _first_json_record(fs: storage.FileSystem, path: str) -> dict | None:
     with open_text(fs, path) as f:
         for line in f:
+            line = line.lstrip("\ufeff")  # _json_lines says why
             if line.strip():
                 try:
                     rec = json.loads(line)
@@ -289,6 +290,22 @@ def _pick(rec: dict[str, Any], keys: Iterable[str]) -> Any:
     return None
 
 
+def _bad_type(low: dict[str, Any], path_keys: Iterable[str], text_keys: Iterable[str]) -> str | None:
+    """Why a JSON record's known field cannot be read as written, else None: a path, text, id, speaker or language
+    must be a string or an integer, a duration or offset a number (or a numeric string); only the value `_pick`
+    takes is checked. Why: `str()` of anything else was packed: a word list as the transcript "['hello', 'world']",
+    true as "True", a duration of true as 1.0 s. CSV/TSV fields are strings and always pass."""
+    for keys, ok, what in ((path_keys, (str, int), "a string"), (text_keys, (str, int), "a string"),
+                           (_ID_KEYS, (str, int), "a string"), (_SPEAKER_KEYS, (str, int), "a string"),
+                           (_LANGUAGE_KEYS, (str, int), "a string"), (_DURATION_KEYS, (str, int, float), "a number"),
+                           (_OFFSET_KEYS, (str, int, float), "a number")):
+        k = next((k for k in keys if low.get(k) not in (None, "")), None)  # the one _pick takes
+        v = low.get(k) if k is not None else None
+        if v is not None and (isinstance(v, bool) or not isinstance(v, ok)):
+            return f"{k} is {type(v).__name__} {json.dumps(v)[:80]}, not {what}"
+    return None
+
+
 def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: storage.FileSystem,
                     has_offset_field: bool, columns: Columns = Columns()) -> Item | Reject:
     """One manifest record (TSV/CSV row or JSON object) -> Item. Known fields match case-insensitively; other
@@ -299,6 +316,9 @@ def _record_to_item(rec: dict[str, Any], where: str, base_dir: str, fs: storage.
     """
     low = {str(k).lower(): v for k, v in rec.items()}
     path_keys, text_keys = columns.keys()
+    bad = _bad_type(low, path_keys, text_keys)
+    if bad is not None:
+        return Reject(where, where, f"bad_field: {bad}")
     audio = _pick(low, path_keys)
     if audio is None:
         return Reject(where, where, f"missing_path: no {'/'.join(path_keys)} field (name it with --audio-column)")
@@ -341,7 +361,7 @@ def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Colu
     base = posixpath.dirname(path)
     quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with open_text(fs, path) as f:
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
+        reader = csv.reader(table_lines(f), delimiter=delimiter, quoting=quoting, strict=True)  # table_rows says why
         header = next(reader, None)
         if header is None:
             return
@@ -353,9 +373,13 @@ def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Colu
 
 
 def _json_lines(fs: storage.FileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
-    """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject."""
+    """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject. A UTF-8 BOM
+    before the first line is dropped (Windows editors write one; json.loads refused it, so the first row was a
+    bad_json reject and a Lhotse CutSet with one was detected as a plain jsonl manifest)."""
     with open_text(fs, path) as f:
         for lineno, line in enumerate(f, 1):
+            if lineno == 1:
+                line = line.lstrip("\ufeff")
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -402,7 +426,7 @@ def _iter_librispeech(fs: storage.FileSystem, root: str, transcripts: list[str] 
         audio = {posixpath.splitext(posixpath.basename(p))[0]: p for p in sorted(fs.ls(chapter_dir, detail=False))
                  if p.lower().endswith(AUDIO_EXTENSIONS)}
         try:
-            lines = split_lines(read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8"))
+            lines = split_lines(read_bounded(fs, trans, MAX_CHAPTER_BYTES).decode("utf-8-sig"))
         except UnicodeDecodeError as e:
             yield Reject(posixpath.basename(trans), audio_ref(fs, trans), f"bad_transcript_encoding: {e}")
             continue

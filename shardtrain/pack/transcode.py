@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 # ---- encode ---------------------------------------------------------------------------------------------------
-def _segment_frames(item: Item, info: AudioInfo) -> tuple[int, int]:
+def segment_frames(item: Item, info: AudioInfo) -> tuple[int, int]:
     """(first sample, sample count) of the item within its file; clamps overruns up to SEGMENT_TOLERANCE_S."""
     rate, total = info.sample_rate_hz, info.num_samples
     start = round(item.start_s * rate)
@@ -142,7 +142,7 @@ def encode_for_shard(item: Item, info: AudioInfo, target: AudioTarget, storage_o
     given, receives {"clipped": samples clipped at full scale} for a float source with overs (the shard task
     counts them).
     """
-    start, count = _segment_frames(item, info)
+    start, count = segment_frames(item, info)
     whole = start == 0 and count == info.num_samples
     matches = (info.codec, info.sample_rate_hz, info.channels) == (target.codec, target.sample_rate_hz,
                                                                    target.channels)

@@ -111,6 +111,29 @@ def test_kaldi_without_segments_and_refused_entries(tmp_path):
     assert "features" in next(o.reason for o in out if isinstance(o, Reject) and o.id == "u3")
 
 
+def test_kaldi_repeated_ids_keep_the_first_line_and_are_rejected(tmp_path):
+    """A data dir concatenated by hand repeats ids: the first `segments`/`text` line of an id is packed, every
+    repeat is a named duplicate_id reject (before: the last line won silently, so u1's first segment vanished and
+    its transcript was packed over the audio of the repeat's [1.0, 1.5] s)."""
+    x = noise(tmp_path / "r1.wav", 2.0)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "wav.scp").write_text(f"r1 {tmp_path / 'r1.wav'}\n")
+    (data / "segments").write_text("u1 r1 0.0 0.5\nu2 r1 0.5 1.0\nu1 r1 1.0 1.5\n")
+    (data / "text").write_bytes("\ufeffu1 first\nu2 second\nu2 second again\n".encode())  # a BOM, too
+    out = tmp_path / "ds"
+    res = do_pack(data, out, min_duration_s=0.0)
+    got = packed(str(out))
+    assert res.samples == 2 and res.rejects_by_reason == {"duplicate_id": 2}
+    for key, text, (a, b) in (("u1", "first", (0, 8000)), ("u2", "second", (8000, 16000))):
+        row, data_ = got[key]
+        assert row["text"] == text
+        assert np.array_equal(sf.read(io.BytesIO(data_), dtype="int16")[0], x[a:b])
+    rej = [json.loads(r) for r in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["path"].rsplit("/", 1)[1]) for r in rej) == [("u1", "segments"), ("u2", "text")]
+    assert all("line 3" in r["detail"] and "first one is kept" in r["detail"] for r in rej)
+
+
 # ---- Common Voice ---------------------------------------------------------------------------------------------
 CV_HEADER = "client_id\tpath\tsentence_id\tsentence\tsentence_domain\tup_votes\tdown_votes\tage\tgender\taccents\t" \
             "variant\tlocale\tsegment"
@@ -183,6 +206,17 @@ def test_hugging_face_save_to_disk(tmp_path, hf_dataset):
         assert row["text"] == ["eins", "zwei", "drei", "vier"][i] and row["speaker"] == "ab"[i % 2]
     sources = {k: v[0]["source"] for k, v in got.items()}
     assert all(".arrow#bytes=" in v for v in sources.values())  # save_to_disk embeds path-only audio too
+
+
+def test_hugging_face_text_column_of_lists_is_refused(tmp_path, hf_dataset):
+    """--text-column naming a list column (word lists) is refused naming its type (before: each row's Python repr,
+    "['eins', 'x']", was packed as its transcript)."""
+    ds, _ = hf_dataset
+    ds = ds.map(lambda r: {"tokens": [r["words"], "x"]})
+    ds.save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match=r"text column 'tokens' holds list<item: string>, not strings"):
+        list(iter_items(str(tmp_path / "hf"), text_column="tokens"))
+    assert [i.text for i in iter_items(str(tmp_path / "hf"), text_column="words")] == ["eins", "zwei", "drei", "vier"]
 
 
 def test_hugging_face_parquet(tmp_path, hf_dataset, monkeypatch):

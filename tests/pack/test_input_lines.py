@@ -1,5 +1,6 @@
-"""Line-oriented manifests (LibriSpeech .trans.txt, Kaldi tables) split at "\\n" only: a U+2028, U+0085, form feed
-or lone carriage return inside a transcript is transcript text, packed whole, never a line break."""
+"""Line-oriented manifests (LibriSpeech .trans.txt, Kaldi tables) split at "\\n" only, and csv/tsv tables read the
+same way: a U+2028, U+0085, form feed or lone carriage return inside a transcript is transcript text, packed whole,
+never a line break."""
 from __future__ import annotations
 
 import json
@@ -55,3 +56,21 @@ def test_kaldi_text_keeps_unicode_line_separators(tmp_path):
     res = pack(PackConfig(input=str(data), output=str(out), workers=1, progress=False))
     assert _rejects(out) == [] and res.samples == 4
     assert _texts(out) == WANT
+
+
+def test_tables_keep_lone_carriage_returns_and_unicode_separators(tmp_path):
+    """TSV, CSV (CRLF ends) and a Common Voice TSV: a transcript holding a lone "\\r" is packed whole (before: the
+    csv module ended the row there, "LONE" was packed and "RETURN" became a bad_row)."""
+    for i, k in enumerate(ODD):
+        _flac(tmp_path / "clips" / f"{k}.flac", i)
+    (tmp_path / "m.tsv").write_bytes(("path\ttext\r\n" + "".join(f"clips/{k}.flac\t{v}\r\n" for k, v in ODD.items())
+                                      ).encode())
+    (tmp_path / "m.csv").write_bytes(("path,text\r\n" + "".join(f'clips/{k}.flac,"{v}"\r\n' for k, v in ODD.items())
+                                      ).encode())
+    (tmp_path / "validated.tsv").write_bytes(("client_id\tpath\tsentence\n" + "".join(
+        f"c\t{k}.flac\t{v}\n" for k, v in ODD.items())).encode())
+    for name in ("m.tsv", "m.csv", "validated.tsv"):
+        out = tmp_path / f"ds-{name}"
+        res = pack(PackConfig(input=str(tmp_path / name), output=str(out), workers=1, progress=False))
+        assert _rejects(out) == [] and res.samples == 4, name
+        assert _texts(out) == WANT, name

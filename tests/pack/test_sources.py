@@ -88,6 +88,29 @@ def test_csv_source_quoting_and_aliases(tmp_path):
                         extra=(("Age", "33"),))
 
 
+def test_csv_stray_quote_rejects_every_line_it_swallows(tmp_path):
+    """A CSV row that opens a quote and never closes it properly: every line the record took is a bad_row reject
+    naming its line, the rows around it are packed with their own text (before: b's transcript swallowed c and d,
+    which vanished uncounted, and the pack reported 3 samples and no reject)."""
+    from shardtrain.pack.packer import PackConfig, pack
+
+    for n in "abcde":
+        audio(tmp_path / f"{n}.flac", 1.0, seed=ord(n))
+    rows = ['path,text', 'a.flac,"first, quoted"', 'b.flac,"he said hi', 'c.flac,third', 'd.flac,"fourth" row',
+            'e.flac,"multi', 'line fifth"', '']
+    (tmp_path / "m.csv").write_text("\r\n".join(rows), encoding="utf-8")
+    out = tmp_path / "out"
+    res = pack(PackConfig(input=str(tmp_path / "m.csv"), output=str(out), progress=False, workers=1))
+    assert res.samples == 2 and res.rejects_by_reason == {"bad_row": 3}
+    import pyarrow.parquet as pq
+
+    texts = sorted(zip(*pq.read_table(out / "index.parquet", columns=["source", "text"]).to_pydict().values()))
+    assert texts == [(str(tmp_path / "a.flac"), "first, quoted"), (str(tmp_path / "e.flac"), "multi line fifth")]
+    rej = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rej] == [f"{tmp_path / 'm.csv'}:{k}" for k in (3, 4, 5)]
+    assert all("from line 3" in r["detail"] for r in rej)
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_jsonl_source_nemo_keys_and_bad_line(tmp_path, gz):
     audio(tmp_path / "wav" / "a.wav")
@@ -106,6 +129,56 @@ def test_jsonl_source_nemo_keys_and_bad_line(tmp_path, gz):
                           language="de", extra=(("snr", 12.5), ("tags", ["x"])))]
     assert [r.reason.split(":")[0] for r in rejects] == ["bad_json", "bad_json", "missing_path"]
     assert "line 3" in rejects[0].reason and rejects[0].path.endswith(":3")
+
+
+def test_jsonl_fields_that_are_not_strings_are_rejected_not_stringified(tmp_path):
+    """A JSON transcript, speaker or duration of the wrong type is a bad_field reject naming it (before: str() of it
+    was packed: the transcript "['hello', 'world']", "True", a duration of true as 1.0 s); integers are text."""
+    audio(tmp_path / "a.flac")
+    recs = [{"audio_filepath": "a.flac", "text": ["hello", "world"]}, {"audio_filepath": "a.flac", "text": True},
+            {"audio_filepath": "a.flac", "text": {"orth": "x"}}, {"path": "a.flac", "text": "ok", "speaker": [3]},
+            {"path": "a.flac", "text": "ok", "duration": True, "id": "d"}, {"path": "a.flac", "text": 42, "id": "n"},
+            {"path": "a.flac", "text": "fine", "sentence": ["another", "alias"], "id": "f"}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    items, rejects = split(list(iter_items(str(path))))
+    assert [(i.id, i.text) for i in items] == [("n", "42"), ("f", "fine")]
+    assert [r.reason for r in rejects] == [
+        'bad_field: text is list ["hello", "world"], not a string', "bad_field: text is bool true, not a string",
+        'bad_field: text is dict {"orth": "x"}, not a string', "bad_field: speaker is list [3], not a string",
+        "bad_field: duration is bool true, not a number"]
+
+
+def test_a_utf8_bom_costs_no_row(tmp_path):
+    """A BOM (what Windows editors write) before the first line of a JSONL manifest, a Lhotse CutSet and a
+    LibriSpeech chapter transcript: every row is read and the CutSet is still detected as one (before: the first
+    row was a bad_json / missing_audio reject, and the CutSet a jsonl manifest of missing_path rejects)."""
+    bom = "\ufeff".encode()
+    audio(tmp_path / "a.flac")
+    audio(tmp_path / "b.flac")
+    rows = [{"audio_filepath": "a.flac", "text": "one"}, {"audio_filepath": "b.flac", "text": "two"}]
+    (tmp_path / "m.jsonl").write_bytes(bom + "".join(json.dumps(r) + "\r\n" for r in rows).encode())
+    items, rejects = split(list(iter_items(str(tmp_path / "m.jsonl"))))
+    assert [(i.id, i.text) for i in items] == [("a", "one"), ("b", "two")] and not rejects
+
+    from lhotse import CutSet, Recording, SupervisionSegment
+
+    rec = Recording.from_file(tmp_path / "a.flac", recording_id="a")
+    cut = rec.to_cut().with_id("c")
+    cut.supervisions = [SupervisionSegment(id="s", recording_id="a", start=0.0, duration=0.1, text="cut")]
+    CutSet.from_cuts([cut]).to_file(tmp_path / "cuts.jsonl")
+    (tmp_path / "cuts.jsonl").write_bytes(bom + (tmp_path / "cuts.jsonl").read_bytes())
+    assert detect_format(str(tmp_path / "cuts.jsonl")) == "lhotse"
+    items, rejects = split(list(iter_items(str(tmp_path / "cuts.jsonl"))))
+    assert [(i.id, i.text, i.duration_s) for i in items] == [("s", "cut", 0.1)] and not rejects
+
+    chapter = tmp_path / "libri" / "19" / "198"
+    for u in range(2):
+        audio(chapter / f"19-198-000{u}.flac", seed=u)
+    (chapter / "19-198.trans.txt").write_bytes(bom + b"19-198-0000 FIRST\n19-198-0001 SECOND\n")
+    items, rejects = split(list(iter_items(str(tmp_path / "libri"))))
+    assert [(i.id, i.text) for i in items] == [("19-198-0000", "FIRST"), ("19-198-0001", "SECOND")]
+    assert not rejects
 
 
 def test_librispeech_source(tmp_path):
