@@ -120,6 +120,10 @@ class LocalS3:
         """(s3, master, volume, filer, admin) ports, kept so that a `crash()` + `start()` comes back at the same
         endpoint, as a restarted server would."""
         self._log_file: IO[bytes] | None = None
+        self._scratch: str | None = None
+        """weed's TMPDIR and its unix sockets' folder: glog writes weed.* log files to the temp folder and `weed mini`
+        its sockets to /tmp, and left them there (a few files a start, never removed); a short private folder,
+        removed by `stop`."""
         self.port = 0
         self.endpoint_url = ""
         self.start_time_s = 0.0
@@ -153,6 +157,8 @@ class LocalS3:
         if self._ports is None:
             self._ports = free_port_block(5)
         s3, master, volume, filer, admin = self._ports
+        if self._scratch is None:  # short: a unix socket's path must stay under 108 bytes
+            self._scratch = tempfile.mkdtemp(prefix="weed-")
         cmd = [
             weed, "mini", f"-dir={self._data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
@@ -163,8 +169,10 @@ class LocalS3:
             f"-volume.max={self.max_volumes}",
             f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
             f"-filer.port={filer}", f"-admin.port={admin}",
+            f"-s3.localSocket={self._scratch}/s3.sock", f"-filer.localSocket={self._scratch}/filer.sock",
         ]
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key,
+                   TMPDIR=self._scratch)
         assert self._log_path is not None
         self._log_file = open(self._log_path, "ab")
         t0 = time.perf_counter()
@@ -229,6 +237,9 @@ class LocalS3:
             self._log_file = None
 
     def _cleanup_tmp(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

@@ -75,3 +75,23 @@ def test_local_s3_volume_cap_is_what_limits_buckets(tmp_path):
             c.put_object(Bucket=server.make_bucket(f"cap-{i}")[5:], Key="k", Body=b"y" * 1000)
         with pytest.raises(Exception, match="InternalError|internal error"):
             c.put_object(Bucket=server.make_bucket("cap-3")[5:], Key="k", Body=b"y" * 1000)
+
+
+@pytest.mark.s3
+def test_the_server_leaves_nothing_in_the_temp_folder(tmp_path):
+    """weed's glog files and `weed mini`'s unix sockets go to a private TMPDIR removed at stop (they piled up in /tmp,
+    ~10 files a start). Checked by the server's pid, which names its log files, so other processes do not matter."""
+    import tempfile
+
+    from shardtrain.testing.s3server import LocalS3
+
+    server = LocalS3(tmp_path / "data").start()
+    pid, scratch = server._proc.pid, server._scratch
+    try:
+        server.client(retries=0).list_buckets()
+        here = os.listdir(scratch)
+        assert "s3.sock" in here and any(p.endswith(f".{pid}") for p in here), here
+    finally:
+        server.stop()
+    assert not os.path.exists(scratch)
+    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("weed.") and p.endswith(f".{pid}")]
