@@ -78,7 +78,7 @@ def detect(fs: storage.FileSystem, path: str) -> str | None:
 
 def _tsv_header(fs: storage.FileSystem, path: str) -> list[str]:
     with open_text(fs, path) as f:
-        return [c.strip().lstrip("\ufeff") for c in f.readline().rstrip("\r\n").split("\t")]
+        return [c.strip() for c in f.readline().rstrip("\r\n").split("\t")]
 
 
 # ---- Kaldi ----------------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def iter_commonvoice(fs: storage.FileSystem, path: str) -> Iterator[Item | Rejec
     clips = posixpath.join(posixpath.dirname(path), "clips")
     with open_text(fs, path) as f:
         reader = csv.reader(table_lines(f), delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = [h.strip().lstrip("\ufeff") for h in next(reader, [])]
+        header = [h.strip() for h in next(reader, [])]
         missing = {"path", "sentence"} - set(header)
         if missing:
             raise ValueError(f"{path}: not a Common Voice TSV (no {sorted(missing)} column; has {header})")

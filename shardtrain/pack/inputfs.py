@@ -32,8 +32,10 @@ def resolve_audio(base_dir: str, audio: str, fs: storage.FileSystem) -> str:
 
 
 def open_text(fs: storage.FileSystem, path: str) -> io.TextIOBase:
-    """A manifest as UTF-8 text (gunzipped when it ends in .gz), newlines untranslated."""
+    """A manifest as UTF-8 text (gunzipped when it ends in .gz), newlines untranslated, a leading UTF-8 BOM dropped
+    (Windows editors write one; read as text it cost a JSONL manifest its first row and hid a header's first
+    column), so no reader strips it on its own."""
     raw = fs.open(path, "rb")
     if path.endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw)
-    return io.TextIOWrapper(raw, encoding="utf-8", newline="")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")

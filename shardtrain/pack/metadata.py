@@ -35,7 +35,7 @@ def metadata_file(fs: storage.FileSystem, folder: str) -> tuple[str, str] | None
 
 def _is_ljspeech(fs: storage.FileSystem, folder: str, path: str) -> bool:
     with open_text(fs, path) as f:
-        first = f.readline().rstrip("\r\n").lstrip("\ufeff")
+        first = f.readline().rstrip("\r\n")
     fields = first.split("|")
     return len(fields) in (2, 3) and fs.isfile(posixpath.join(folder, "wavs", fields[0] + ".wav"))
 

@@ -81,7 +81,6 @@ class Columns:
 def _first_json_record(fs: storage.FileSystem, path: str) -> dict | None:
     with open_text(fs, path) as f:
         for line in f:
-            line = line.lstrip("\ufeff")  # _json_lines says why
             if line.strip():
                 try:
                     rec = json.loads(line)
@@ -365,7 +364,7 @@ def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Colu
         header = next(reader, None)
         if header is None:
             return
-        header = [h.strip().lstrip("\ufeff") for h in header]
+        header = [h.strip() for h in header]
         columns.check(header, path)
         has_offset = any(k.lower() in _OFFSET_KEYS for k in header)
         for x in table_rows(reader, path, header):
@@ -373,13 +372,10 @@ def _iter_table(fs: storage.FileSystem, path: str, delimiter: str, columns: Colu
 
 
 def _json_lines(fs: storage.FileSystem, path: str) -> Iterator[tuple[str, dict] | Reject]:
-    """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject. A UTF-8 BOM
-    before the first line is dropped (Windows editors write one; json.loads refused it, so the first row was a
-    bad_json reject and a Lhotse CutSet with one was detected as a plain jsonl manifest)."""
+    """(`path:line`, object) per non-blank line; a line that is not a JSON object becomes a Reject (a leading BOM
+    is dropped by open_text)."""
     with open_text(fs, path) as f:
         for lineno, line in enumerate(f, 1):
-            if lineno == 1:
-                line = line.lstrip("\ufeff")
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
