@@ -7,6 +7,8 @@ the streaming one. Every name is imported lazily: `shardtrain pack` and `shardtr
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from shardtrain._version import __version__
@@ -29,6 +31,24 @@ _LAZY = {
 numpy, fsspec or torch, so a mistyped path is reported before any of them loads."""
 __all__ = ["__version__", *sorted(_LAZY)]
 
+
+def _arrow_allocator() -> None:
+    """Arrow's C++ default allocator: glibc's (the system pool), unless ARROW_DEFAULT_MEMORY_POOL says otherwise.
+
+    Why: pyarrow's wheels default to mimalloc, and Arrow reads this variable once, when pyarrow is imported; so it
+    is set here, before any room imports pyarrow. The Parquet reader allocates from the C++ default whatever
+    pyarrow's own default pool is (format.arrownp.lean_memory_pool switches only that one): its pre-buffering and
+    decompression buffers. mimalloc's first allocation reserves a 1 GB arena with MADV_HUGEPAGE and faults in
+    2 MB pages: reading the 4k benchmark corpus's 156 KB index took 35-115 ms instead of 5-6 ms in about half of
+    the fresh processes on this VM (the first batch 0.11-0.15 s instead of 0.04 s, a 0.9 s epoch 6% slower in
+    benchmarks/load/compare.py) and ~5 MB more RSS. Costs nothing measurable: the loader's Arrow use is small.
+    With pyarrow already imported (a script that imports it first) this does nothing, and lean_memory_pool still
+    moves pyarrow's own default. The variable is inherited by child processes, like any other."""
+    if "pyarrow" not in sys.modules:
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+
+_arrow_allocator()
 
 # `pack` names both the room and the function. Python binds a subpackage onto its parent when the subpackage first
 # loads, which would hide the function behind the module once anything under shardtrain.pack is imported; loading

@@ -112,7 +112,9 @@ def lean_memory_pool() -> str:
     hundred KB (measured on the 4k benchmark corpus: the loader's peak RSS 701 -> 679 MB; jemalloc 682). The
     loader's Arrow use is the index and small per-chunk `take`s, where the allocator's speed does not show.
     An explicit choice wins: with ARROW_DEFAULT_MEMORY_POOL set (pyarrow's own variable) nothing changes.
-    Process-wide, like pyarrow's own setting; buffers allocated before keep their pool.
+    Process-wide, like pyarrow's own setting; buffers allocated before keep their pool. This moves pyarrow's own
+    default only: Arrow's C++ default (the Parquet reader's buffers) is chosen when pyarrow is imported, which is
+    why `import shardtrain` sets ARROW_DEFAULT_MEMORY_POOL first (shardtrain/__init__.py).
     """
     pool = pa.default_memory_pool()
     if pool.backend_name != "mimalloc" or os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
